@@ -1,0 +1,159 @@
+"""Hosts and slots: parse `-H`/`--hostfile` and assign ranks to slots.
+
+Everything here is pure (no sockets, no environment), so it is tested in one process. A *slot*
+is one place a rank can run; a host offers some number of slots. Ranks are assigned host by host
+in the order the hosts were given: the first host's slots get ranks 0, 1, ..., then the next host.
+"""
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+
+class HostSpecError(ValueError):
+    """A host list or hostfile that cannot be parsed, or more ranks than slots."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """Where one rank runs and its place in the job; the launcher turns it into HVDLITE_* vars."""
+
+    hostname: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int  # index of this rank's host among the hosts that have a rank local_rank
+    cross_size: int  # number of hosts that have a rank with this local_rank
+
+
+def _check_name(name: str, where: str) -> str:
+    if not name or any(c.isspace() for c in name) or "," in name or "=" in name:
+        raise HostSpecError(f"{where}: bad host name {name!r}")
+    return name
+
+
+def _parse_slots(text: str, where: str) -> int:
+    try:
+        slots = int(text)
+    except ValueError:
+        raise HostSpecError(f"{where}: slot count {text!r} is not a whole number") from None
+    if slots < 1:
+        raise HostSpecError(f"{where}: slot count must be at least 1, got {slots}")
+    return slots
+
+
+def parse_host_list(text: str) -> List[Host]:
+    """Parse `-H host1:4,host2:2`; a host without `:N` has one slot.
+
+    Repeated host names are an error: their slots would silently merge in surprising order.
+    """
+    hosts: List[Host] = []
+    if not text or not text.strip():
+        raise HostSpecError("empty host list")
+    for item in text.split(","):
+        item = item.strip()
+        where = f"host {item!r}"
+        if not item:
+            raise HostSpecError(f"empty entry in host list {text!r}")
+        # rsplit so an IPv6 literal in brackets keeps its colons: [::1]:2
+        if item.startswith("["):
+            close = item.find("]")
+            if close < 0:
+                raise HostSpecError(f"{where}: missing ']'")
+            name, rest = item[1:close], item[close + 1:]
+            if rest and not rest.startswith(":"):
+                raise HostSpecError(f"{where}: expected ':SLOTS' after ']'")
+            slots = _parse_slots(rest[1:], where) if rest else 1
+        elif item.count(":") > 1:
+            raise HostSpecError(f"{where}: expected HOST or HOST:SLOTS (write IPv6 as [addr]:N)")
+        elif ":" in item:
+            name, slot_text = item.split(":")
+            slots = _parse_slots(slot_text, where)
+        else:
+            name, slots = item, 1
+        hosts.append(Host(_check_name(name, where), slots))
+    _check_unique(hosts)
+    return hosts
+
+
+def parse_hostfile(text: str, filename: str = "hostfile") -> List[Host]:
+    """Parse hostfile contents: one `host [slots=N]` per line, `#` starts a comment."""
+    hosts: List[Host] = []
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{filename}:{lineno}"
+        fields = line.split()
+        name = _check_name(fields[0], where)
+        slots = 1
+        for field in fields[1:]:
+            key, sep, value = field.partition("=")
+            if not sep or key not in ("slots", "max_slots"):
+                raise HostSpecError(f"{where}: expected 'HOST slots=N', got {line!r}")
+            if key == "slots":
+                slots = _parse_slots(value, where)
+        hosts.append(Host(name, slots))
+    if not hosts:
+        raise HostSpecError(f"{filename}: no hosts listed")
+    _check_unique(hosts)
+    return hosts
+
+
+def _check_unique(hosts: Sequence[Host]) -> None:
+    seen = set()
+    for host in hosts:
+        if host.name in seen:
+            raise HostSpecError(f"host {host.name!r} is listed twice")
+        seen.add(host.name)
+
+
+def assign_slots(hosts: Sequence[Host], np: Optional[int]) -> List[SlotInfo]:
+    """Give each of `np` ranks a slot, filling hosts in order; `np=None` uses every slot.
+
+    Returns one SlotInfo per rank, in rank order. Hosts that get no rank are left out of the
+    cross sizes. Raises HostSpecError when the hosts have fewer slots than `np`.
+    """
+    total = sum(h.slots for h in hosts)
+    if np is None:
+        np = total
+    if np < 1:
+        raise HostSpecError(f"the number of ranks must be at least 1, got {np}")
+    if np > total:
+        listing = ",".join(f"{h.name}:{h.slots}" for h in hosts)
+        raise HostSpecError(f"{np} ranks requested but the hosts {listing} have only {total} slots")
+
+    # (host index, local rank) of each rank, host by host.
+    placed = []
+    for host_index, host in enumerate(hosts):
+        take = min(host.slots, np - len(placed))
+        placed.extend((host_index, local) for local in range(take))
+        if len(placed) == np:
+            break
+    local_sizes = {}
+    for host_index, _ in placed:
+        local_sizes[host_index] = local_sizes.get(host_index, 0) + 1
+
+    # Cross communicators group the ranks that share a local rank across hosts.
+    hosts_with_local = {}
+    for host_index, local in placed:
+        hosts_with_local.setdefault(local, []).append(host_index)
+
+    result = []
+    for rank, (host_index, local) in enumerate(placed):
+        peers = hosts_with_local[local]
+        result.append(SlotInfo(
+            hostname=hosts[host_index].name,
+            rank=rank,
+            size=np,
+            local_rank=local,
+            local_size=local_sizes[host_index],
+            cross_rank=peers.index(host_index),
+            cross_size=len(peers),
+        ))
+    return result
