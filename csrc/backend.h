@@ -1,0 +1,31 @@
+// CollectiveBackend: the few collectives the core needs, for one kind of device. The real
+// implementation is a thin layer over a c10d::Backend that Python created (Gloo for CPU
+// tensors, NCCL for CUDA tensors; see backend_c10d.h); keeping this interface free of c10d
+// headers keeps the rest of the core quick to compile and testable.
+//
+// Only the background thread calls these. Each call blocks until the collective is complete
+// (for device backends: until it is ordered on the current stream) and throws std::exception
+// when it fails, e.g. because a peer died.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "types.h"
+
+namespace hvdlite {
+
+class CollectiveBackend {
+ public:
+  virtual ~CollectiveBackend() = default;
+  // op is kSum, kMin, kMax or kProduct (averaging is done by the executor).
+  virtual void Allreduce(at::Tensor& tensor, ReduceOp op) = 0;
+  virtual void Broadcast(at::Tensor& tensor, int root) = 0;
+  // outputs[r] receives rank r's input; all have the input's size.
+  virtual void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) = 0;
+  virtual std::string name() const = 0;
+};
+
+}  // namespace hvdlite

@@ -1,0 +1,94 @@
+#include "config.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+
+namespace hvdlite {
+namespace {
+
+Status BadValue(const char* var, const char* value, const char* expected) {
+  return Status(StatusCode::kInvalidArgument, std::string("invalid ") + var + "='" + value +
+                                                  "': expected " + expected);
+}
+
+// Parses a whole string as a finite number >= minimum; trailing garbage is an error.
+Status ParseDouble(const char* var, const char* value, double minimum, const char* expected,
+                   double* out) {
+  errno = 0;
+  char* end = nullptr;
+  double parsed = std::strtod(value, &end);
+  if (end == value || *end != '\0' || errno != 0 || !std::isfinite(parsed) || parsed < minimum)
+    return BadValue(var, value, expected);
+  *out = parsed;
+  return Status::Ok();
+}
+
+Status ParseInt(const char* var, const char* value, int64_t minimum, const char* expected,
+                int64_t* out) {
+  errno = 0;
+  char* end = nullptr;
+  long long parsed = std::strtoll(value, &end, 10);
+  if (end == value || *end != '\0' || errno != 0 || parsed < minimum)
+    return BadValue(var, value, expected);
+  *out = parsed;
+  return Status::Ok();
+}
+
+Status ParseLogLevel(const char* var, const char* value, LogLevel* out) {
+  static const struct { const char* name; LogLevel level; } kLevels[] = {
+      {"trace", LogLevel::kTrace}, {"debug", LogLevel::kDebug}, {"info", LogLevel::kInfo},
+      {"warning", LogLevel::kWarning}, {"error", LogLevel::kError}};
+  for (const auto& entry : kLevels) {
+    if (std::string(entry.name) == value) {
+      *out = entry.level;
+      return Status::Ok();
+    }
+  }
+  return BadValue(var, value, "one of trace, debug, info, warning, error");
+}
+
+}  // namespace
+
+Status Config::FromLookup(const std::function<const char*(const char*)>& lookup, Config* out) {
+  Config config;
+  Status status;
+  const char* value = nullptr;
+  if ((value = lookup("HVDLITE_FUSION_THRESHOLD")) && *value) {
+    status = ParseInt("HVDLITE_FUSION_THRESHOLD", value, 0, "a number of bytes >= 0",
+                      &config.fusion_threshold_bytes);
+    if (!status.ok()) return status;
+  }
+  if ((value = lookup("HVDLITE_CYCLE_TIME")) && *value) {
+    status = ParseDouble("HVDLITE_CYCLE_TIME", value, 0.0, "milliseconds >= 0",
+                         &config.cycle_time_ms);
+    if (!status.ok()) return status;
+  }
+  if ((value = lookup("HVDLITE_IDLE_HEARTBEAT_MS")) && *value) {
+    status = ParseDouble("HVDLITE_IDLE_HEARTBEAT_MS", value, 1.0, "milliseconds >= 1",
+                         &config.idle_heartbeat_ms);
+    if (!status.ok()) return status;
+  }
+  if ((value = lookup("HVDLITE_STALL_CHECK_TIME_SECONDS")) && *value) {
+    status = ParseDouble("HVDLITE_STALL_CHECK_TIME_SECONDS", value, 0.0, "seconds >= 0",
+                         &config.stall_check_seconds);
+    if (!status.ok()) return status;
+  }
+  if ((value = lookup("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS")) && *value) {
+    status = ParseDouble("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", value, 0.0,
+                         "seconds >= 0 (0 disables)", &config.stall_shutdown_seconds);
+    if (!status.ok()) return status;
+  }
+  if ((value = lookup("HVDLITE_LOG_LEVEL")) && *value) {
+    status = ParseLogLevel("HVDLITE_LOG_LEVEL", value, &config.log_level);
+    if (!status.ok()) return status;
+  }
+  *out = config;
+  return Status::Ok();
+}
+
+Status Config::FromEnvironment(Config* out) {
+  return FromLookup([](const char* name) { return std::getenv(name); }, out);
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,38 @@
+// Config: every tunable of the core, filled once from HVDLITE_* environment variables when an
+// engine is created. This is the only place that reads the environment; parsing is strict and
+// an invalid value is an error naming the variable and the value. Immutable after creation.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "status.h"
+
+namespace hvdlite {
+
+enum class LogLevel : uint8_t { kTrace = 0, kDebug = 1, kInfo = 2, kWarning = 3, kError = 4 };
+
+struct Config {
+  // HVDLITE_FUSION_THRESHOLD: bytes per fused buffer; 0 disables fusion.
+  int64_t fusion_threshold_bytes = 64LL * 1024 * 1024;
+  // HVDLITE_CYCLE_TIME: milliseconds; the shortest time between the starts of two consecutive
+  // busy cycles, which lets tensors that arrive close together share one fused collective.
+  // An engine that has been idle starts a cycle as soon as a request arrives.
+  double cycle_time_ms = 0.5;
+  // HVDLITE_IDLE_HEARTBEAT_MS: how often an idle engine still joins a negotiation round, so a
+  // peer that waits on it can progress, check for stalls and notice failures.
+  double idle_heartbeat_ms = 100.0;
+  // HVDLITE_STALL_CHECK_TIME_SECONDS: warn about tensors some ranks have not submitted.
+  double stall_check_seconds = 60.0;
+  // HVDLITE_STALL_SHUTDOWN_TIME_SECONDS: fail such tensors after this long (0 = never).
+  double stall_shutdown_seconds = 600.0;
+  // HVDLITE_LOG_LEVEL: trace, debug, info, warning (default) or error.
+  LogLevel log_level = LogLevel::kWarning;
+
+  // Reads the variables through `lookup` (getenv in production, a map in unit tests).
+  static Status FromLookup(const std::function<const char*(const char*)>& lookup, Config* out);
+  static Status FromEnvironment(Config* out);
+};
+
+}  // namespace hvdlite

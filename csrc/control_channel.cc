@@ -1,0 +1,57 @@
+#include "control_channel.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace hvdlite {
+
+ControlChannel::ControlChannel(CollectiveBackend* backend, int size)
+    : backend_(backend), size_(size) {
+  auto options = at::TensorOptions().dtype(at::kByte);
+  send_ = at::zeros({kSlotBytes}, options);
+  receive_ = at::zeros({kSlotBytes * size}, options);
+  for (int r = 0; r < size; ++r) receive_slots_.push_back(receive_.narrow(0, r * kSlotBytes, kSlotBytes));
+}
+
+std::vector<std::string> ControlChannel::Allgather(const std::string& mine) {
+  auto* send = static_cast<char*>(send_.data_ptr());
+  const int64_t length = static_cast<int64_t>(mine.size());
+  std::memcpy(send, &length, kHeaderBytes);
+  const bool fits = length <= kSlotBytes - kHeaderBytes;
+  if (fits) std::memcpy(send + kHeaderBytes, mine.data(), mine.size());
+  backend_->Allgather(send_, receive_slots_);
+
+  std::vector<int64_t> lengths(size_);
+  int64_t longest = 0;
+  const auto* received = static_cast<const char*>(receive_.data_ptr());
+  for (int r = 0; r < size_; ++r) {
+    std::memcpy(&lengths[r], received + r * kSlotBytes, kHeaderBytes);
+    longest = std::max(longest, lengths[r]);
+  }
+  std::vector<std::string> messages(size_);
+  if (longest <= kSlotBytes - kHeaderBytes) {
+    for (int r = 0; r < size_; ++r) {
+      if (lengths[r] < 0) lengths[r] = 0;  // a corrupt length decodes as an empty message
+      messages[r].assign(received + r * kSlotBytes + kHeaderBytes, lengths[r]);
+    }
+    return messages;
+  }
+  // Someone's message did not fit in a slot: exchange every message at the longest length.
+  auto options = at::TensorOptions().dtype(at::kByte);
+  at::Tensor big_send = at::empty({longest}, options);
+  at::Tensor big_receive = at::empty({longest * size_}, options);
+  std::memcpy(big_send.data_ptr(), mine.data(), mine.size());
+  std::vector<at::Tensor> slots;
+  for (int r = 0; r < size_; ++r) slots.push_back(big_receive.narrow(0, r * longest, longest));
+  backend_->Allgather(big_send, slots);
+  const auto* big = static_cast<const char*>(big_receive.data_ptr());
+  for (int r = 0; r < size_; ++r) {
+    messages[r].assign(big + r * longest, std::clamp<int64_t>(lengths[r], 0, longest));
+  }
+  return messages;
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,84 @@
+// Controller: negotiation. Decides which tensors are ready on every rank, checks that the
+// ranks agree about them, and puts them in one order that every rank computes identically.
+//
+// Note [Replicated negotiation]
+// Every round, every rank allgathers its RankMessage over the control process group, so every
+// rank holds all ranks' messages for the round. Each rank feeds them (indexed by rank) to its
+// own Controller. The Controller is a deterministic state machine and every rank feeds it the
+// same input, so every rank reaches the same decisions in the same order without a coordinator
+// having to broadcast them: one collective per round instead of a gather plus a broadcast.
+// Rank 0 still plays the coordinator where a decision depends on something outside the
+// messages: time. Stall deadlines are measured on rank 0's clock, carried in its message.
+//
+// The protocol, one round:
+//   1. each rank sends the requests enqueued since its last round (and its flags);
+//   2. each request is recorded against its name and rank in the pending table;
+//   3. a name is ready when all ranks have requested it; ready names are emitted in the order
+//      in which their last request appears in the rank-ordered messages;
+//   4. members of a group are held back until the whole group is ready, then emitted together;
+//   5. a ready name whose requests disagree is emitted with a kMismatch status that names the
+//      field, the ranks and their values; a grouped operation fails as a whole;
+//   6. names pending past the stall deadlines produce a warning table, then kStall failures.
+// Called only from the background thread; no locking.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "message.h"
+#include "status.h"
+
+namespace hvdlite {
+
+struct ReadyItem {
+  Request request;                 // the agreed request (rank 0's)
+  std::vector<int64_t> rank_dim0;  // allgather: every rank's first dimension
+  Status status;                   // not ok: this tensor fails on every rank with this status
+};
+
+struct RoundResult {
+  std::vector<ReadyItem> ready;
+  bool shutdown = false;         // some rank asked to shut down: everyone stops after this round
+  bool quiet = false;            // no rank sent anything and nothing became ready
+  bool all_outstanding = false;  // every rank waits on something
+  std::string stall_warning;     // non-empty: log it (every rank produces the same text)
+};
+
+class Controller {
+ public:
+  Controller(int size, double stall_check_seconds, double stall_shutdown_seconds);
+
+  // messages[r] is rank r's message for this round.
+  RoundResult ProcessRound(const std::vector<RankMessage>& messages);
+
+  size_t pending_count() const { return pending_.size(); }
+
+ private:
+  struct Pending {
+    std::vector<Request> by_rank;   // meaningful where submitted[r]
+    std::vector<bool> submitted;
+    int count = 0;
+    int64_t first_seen_ms = 0;      // rank 0's clock
+    int64_t warned_at_ms = -1;
+  };
+
+  void Record(int rank, const Request& request, int64_t now_ms, std::vector<ReadyItem>* ready);
+  ReadyItem MakeReady(const std::string& name, Pending& pending);
+  void Release(ReadyItem item, std::vector<ReadyItem>* ready);
+  void InspectStalls(int64_t now_ms, RoundResult* result);
+
+  int size_;
+  int64_t stall_check_ms_;
+  int64_t stall_shutdown_ms_;
+  std::unordered_map<std::string, Pending> pending_;
+  std::map<std::string, std::vector<ReadyItem>> held_groups_;
+};
+
+// Compares the requests every rank made for one name. Returns "" when they agree, else the
+// message for the mismatch error. Exposed for unit tests.
+std::string CheckAgreement(const std::vector<Request>& by_rank);
+
+}  // namespace hvdlite

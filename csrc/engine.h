@@ -1,0 +1,96 @@
+// Engine: one per process set (the global one is created by hvd.init()). Owns the tensor
+// queue, the handle table, the controller, the executor and the background thread, which is
+// the only thread that calls collectives on the control and data process groups.
+//
+// Python threads call Enqueue / Poll / Wait / Shutdown with the GIL released; they touch only
+// the queue and the handle table, each behind its own short-held mutex.
+//
+// Note [Cycle policy]
+// The background thread negotiates when it has new requests, when it still waits on requests
+// that other ranks have not matched yet (it then blocks inside the control collective, which
+// costs no CPU, until a peer joins the round), when shutdown was asked for, and otherwise once
+// per idle heartbeat. Busy rounds start at least HVDLITE_CYCLE_TIME apart, so tensors that
+// arrive close together share a fused collective. When every rank waits on something and a
+// round changed nothing (ranks submitted different names), rounds back off exponentially up to
+// the heartbeat instead of spinning, until local work arrives.
+//
+// Note [Fatal errors]
+// A collective that throws (a dead peer, a transport error) or a malformed control message
+// makes the engine unusable: the thread completes every pending handle with a kRankFailure
+// status, closes the queue so later calls fail at once with the same message, and exits.
+// Shutdown by any rank is negotiated: every rank stops after the round in which it is seen,
+// failing what is still pending with kShutdown.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend.h"
+#include "config.h"
+#include "control_channel.h"
+#include "controller.h"
+#include "executor.h"
+#include "logging.h"
+#include "tensor_queue.h"
+
+namespace hvdlite {
+
+struct EnqueueArgs {
+  std::string name;
+  CollectiveKind kind = CollectiveKind::kAllreduce;
+  at::Tensor input;
+  at::Tensor output;  // undefined for allgather
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  double prescale = 1.0;
+  double postscale = 1.0;
+  std::string group;
+};
+
+class Engine {
+ public:
+  // `cuda` may be null. The engine starts its thread at once.
+  Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
+         std::unique_ptr<CollectiveBackend> cpu, std::unique_ptr<CollectiveBackend> cuda);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // All of `args` or none of them; a non-empty group name makes them one grouped operation.
+  Status Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* handles);
+  Status Poll(int64_t handle, bool* done);
+  Status Wait(int64_t handle, at::Tensor* output);
+  // Blocks until the background thread has stopped; idempotent.
+  void Shutdown();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const Config& config() const { return config_; }
+
+ private:
+  void Loop();
+  // One negotiation round; returns false when the engine must stop.
+  bool RunRound(bool* stuck);
+  void Stop(const Status& status);
+
+  const Config config_;
+  const int rank_;
+  const int size_;
+  Logger logger_;
+  std::unique_ptr<CollectiveBackend> control_backend_;
+  std::unique_ptr<CollectiveBackend> cpu_backend_;
+  std::unique_ptr<CollectiveBackend> cuda_backend_;
+  TensorQueue queue_;
+  HandleTable handles_;
+  ControlChannel channel_;
+  Controller controller_;
+  Executor executor_;
+  std::atomic<bool> shutdown_requested_{false};
+  std::atomic<int64_t> name_counter_{0};
+  std::thread thread_;
+};
+
+}  // namespace hvdlite

@@ -1,0 +1,53 @@
+// Executor: runs one planned Batch on this rank: takes the local entries out of the queue,
+// copies inputs into the fusion buffer, runs one collective through the backend for the
+// tensors' device type, copies results out, applies averaging and scale factors, and completes
+// the handles. Background thread only.
+//
+// A failed item (mismatch, stall) completes its handle with the item's status. A collective
+// that throws is not caught here: the engine treats it as fatal (Note [Fatal errors] in
+// engine.h), after completing this batch's handles with the error.
+#pragma once
+
+#include <c10/core/Stream.h>
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "backend.h"
+#include "fusion.h"
+#include "tensor_queue.h"
+
+namespace hvdlite {
+
+class Executor {
+ public:
+  // `cuda` may be null when the job has no CUDA process group.
+  Executor(int rank, int size, CollectiveBackend* cpu, CollectiveBackend* cuda, TensorQueue* queue,
+           HandleTable* handles);
+
+  void Execute(const Batch& batch);
+  void ReleaseBuffers() { buffers_.Clear(); }
+
+ private:
+  struct Local {
+    const ReadyItem* item;
+    Entry entry;
+  };
+  CollectiveBackend* BackendFor(c10::Device device);
+  void Allreduce(std::vector<Local>& locals, CollectiveBackend* backend);
+  void Broadcast(std::vector<Local>& locals, CollectiveBackend* backend);
+  at::Tensor Allgather(Local& local, CollectiveBackend* backend);
+  c10::Stream EngineStream(c10::Device device);
+
+  int rank_;
+  int size_;
+  CollectiveBackend* cpu_;
+  CollectiveBackend* cuda_;
+  TensorQueue* queue_;
+  HandleTable* handles_;
+  FusionBufferPool buffers_;
+  std::map<std::pair<int, int>, c10::Stream> streams_;
+};
+
+}  // namespace hvdlite

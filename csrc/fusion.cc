@@ -1,0 +1,71 @@
+#include "fusion.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+
+namespace hvdlite {
+namespace {
+
+bool Fusable(const ReadyItem& item) {
+  return item.status.ok() && (item.request.kind == CollectiveKind::kAllreduce ||
+                              item.request.kind == CollectiveKind::kBroadcast);
+}
+
+bool SameBatchKey(const Request& a, const Request& b) {
+  return a.kind == b.kind && a.dtype == b.dtype && a.device_type == b.device_type &&
+         a.op == b.op && a.root == b.root && a.prescale == b.prescale &&
+         a.postscale == b.postscale;
+}
+
+}  // namespace
+
+int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int64_t RequestBytes(const Request& request) {
+  return NumElements(request.shape) *
+         static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(request.dtype)));
+}
+
+std::vector<Batch> PlanBatches(std::vector<ReadyItem> ready, int64_t threshold_bytes) {
+  std::vector<Batch> batches;
+  std::vector<size_t> open;  // indices of batches that may still take items
+  for (ReadyItem& item : ready) {
+    const int64_t bytes = item.status.ok() ? RequestBytes(item.request) : 0;
+    Batch* target = nullptr;
+    if (Fusable(item)) {
+      for (auto it = open.rbegin(); it != open.rend(); ++it) {
+        Batch& candidate = batches[*it];
+        if (SameBatchKey(candidate.items.front().request, item.request) &&
+            candidate.bytes + bytes <= threshold_bytes) {
+          target = &candidate;
+          break;
+        }
+      }
+    }
+    if (target == nullptr) {
+      batches.emplace_back();
+      target = &batches.back();
+      if (Fusable(item)) open.push_back(batches.size() - 1);
+    }
+    target->bytes += bytes;
+    target->items.push_back(std::move(item));
+  }
+  return batches;
+}
+
+at::Tensor FusionBufferPool::Get(c10::Device device, c10::ScalarType dtype, int64_t numel) {
+  auto key = std::make_tuple(static_cast<int>(device.type()), static_cast<int>(device.index()),
+                             static_cast<int>(dtype));
+  at::Tensor& buffer = buffers_[key];
+  if (!buffer.defined() || buffer.numel() < numel) {
+    buffer = at::Tensor();  // free the old buffer before allocating the larger one
+    buffer = at::empty({numel}, at::TensorOptions().device(device).dtype(dtype));
+  }
+  return buffer.narrow(0, 0, numel);
+}
+
+}  // namespace hvdlite

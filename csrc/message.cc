@@ -1,0 +1,130 @@
+#include "message.h"
+
+#include <cstring>
+
+namespace hvdlite {
+namespace {
+
+constexpr uint32_t kMagic = 0x48564c31;  // "HVL1": catches a peer speaking something else
+constexpr uint32_t kMaxNameBytes = 1u << 20;
+constexpr uint32_t kMaxDims = 64;
+constexpr uint32_t kMaxRequests = 1u << 24;
+
+class Writer {
+ public:
+  template <typename T>
+  void Put(T value) {
+    char bytes[sizeof(T)];
+    std::memcpy(bytes, &value, sizeof(T));
+    out_.append(bytes, sizeof(T));
+  }
+  void PutString(const std::string& s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    out_.append(s);
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  Reader(const char* data, size_t size) : data_(data), left_(size) {}
+  template <typename T>
+  bool Get(T* value) {
+    if (left_ < sizeof(T)) return false;
+    std::memcpy(value, data_, sizeof(T));
+    data_ += sizeof(T);
+    left_ -= sizeof(T);
+    return true;
+  }
+  bool GetString(std::string* s, uint32_t max_bytes) {
+    uint32_t n = 0;
+    if (!Get(&n) || n > max_bytes || n > left_) return false;
+    s->assign(data_, n);
+    data_ += n;
+    left_ -= n;
+    return true;
+  }
+  size_t left() const { return left_; }
+
+ private:
+  const char* data_;
+  size_t left_;
+};
+
+bool ReadRequest(Reader& in, Request* r) {
+  uint8_t kind = 0, op = 0;
+  uint32_t ndim = 0;
+  if (!in.GetString(&r->name, kMaxNameBytes) || !in.Get(&kind) || !in.Get(&r->dtype) ||
+      !in.Get(&r->device_type) || !in.Get(&op) || !in.Get(&r->root) || !in.Get(&r->prescale) ||
+      !in.Get(&r->postscale) || !in.Get(&ndim))
+    return false;
+  if (kind >= kNumCollectiveKinds || op > kMaxReduceOp || ndim > kMaxDims) return false;
+  r->kind = static_cast<CollectiveKind>(kind);
+  r->op = static_cast<ReduceOp>(op);
+  r->shape.resize(ndim);
+  for (uint32_t d = 0; d < ndim; ++d) {
+    if (!in.Get(&r->shape[d]) || r->shape[d] < 0) return false;
+  }
+  return in.GetString(&r->group, kMaxNameBytes) && in.Get(&r->group_size) && r->group_size >= 0;
+}
+
+}  // namespace
+
+bool Request::operator==(const Request& o) const {
+  return name == o.name && kind == o.kind && dtype == o.dtype && device_type == o.device_type &&
+         op == o.op && root == o.root && prescale == o.prescale && postscale == o.postscale &&
+         shape == o.shape && group == o.group && group_size == o.group_size;
+}
+
+std::string EncodeRankMessage(const RankMessage& message) {
+  Writer out;
+  out.Put<uint32_t>(kMagic);
+  out.Put<uint32_t>(message.flags);
+  out.Put<int64_t>(message.clock_ms);
+  out.Put<uint32_t>(static_cast<uint32_t>(message.requests.size()));
+  for (const Request& r : message.requests) {
+    out.PutString(r.name);
+    out.Put<uint8_t>(static_cast<uint8_t>(r.kind));
+    out.Put<int8_t>(r.dtype);
+    out.Put<int8_t>(r.device_type);
+    out.Put<uint8_t>(static_cast<uint8_t>(r.op));
+    out.Put<int32_t>(r.root);
+    out.Put<double>(r.prescale);
+    out.Put<double>(r.postscale);
+    out.Put<uint32_t>(static_cast<uint32_t>(r.shape.size()));
+    for (int64_t d : r.shape) out.Put<int64_t>(d);
+    out.PutString(r.group);
+    out.Put<int32_t>(r.group_size);
+  }
+  return out.Take();
+}
+
+Status DecodeRankMessage(const char* data, size_t size, RankMessage* out) {
+  Reader in(data, size);
+  uint32_t magic = 0, count = 0;
+  RankMessage message;
+  if (!in.Get(&magic) || magic != kMagic || !in.Get(&message.flags) ||
+      !in.Get(&message.clock_ms) || !in.Get(&count) || count > kMaxRequests) {
+    return Status(StatusCode::kInternal, "malformed control message header (" +
+                                             std::to_string(size) + " bytes)");
+  }
+  message.requests.resize(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    if (!ReadRequest(in, &message.requests[i])) {
+      return Status(StatusCode::kInternal, "malformed control message: request " +
+                                               std::to_string(i) + " of " +
+                                               std::to_string(count) + " is corrupt");
+    }
+  }
+  if (in.left() != 0) {
+    return Status(StatusCode::kInternal, "malformed control message: " +
+                                             std::to_string(in.left()) + " trailing bytes");
+  }
+  *out = std::move(message);
+  return Status::Ok();
+}
+
+}  // namespace hvdlite

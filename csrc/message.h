@@ -1,0 +1,51 @@
+// Messages exchanged on the control plane, and their compact binary encoding.
+//
+// Every negotiation round, each rank sends one RankMessage (the requests its Python threads
+// enqueued since the last round, plus a few flags) and receives every other rank's. Decoding is
+// defensive: each length is checked against the bytes left, so a truncated or corrupt message
+// is a Status error, never undefined behaviour. Pure functions; no locking.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "status.h"
+#include "types.h"
+
+namespace hvdlite {
+
+// One rank's description of one tensor it wants to take part in a collective.
+struct Request {
+  std::string name;
+  CollectiveKind kind = CollectiveKind::kAllreduce;
+  int8_t dtype = 0;          // c10::ScalarType value
+  int8_t device_type = 0;    // c10::DeviceType value; the index may differ between ranks
+  ReduceOp op = ReduceOp::kSum;
+  int32_t root = 0;
+  double prescale = 1.0;
+  double postscale = 1.0;
+  std::vector<int64_t> shape;
+  // Members of a grouped operation share a group name and size; the group is negotiated
+  // atomically: it runs when every member is ready on every rank, or fails as a whole.
+  std::string group;
+  int32_t group_size = 0;
+
+  bool operator==(const Request& other) const;
+};
+
+enum RankMessageFlags : uint32_t {
+  kFlagShutdown = 1u << 0,        // this rank is shutting down; everyone stops after this round
+  kFlagHasOutstanding = 1u << 1,  // this rank waits on requests that are not complete yet
+};
+
+struct RankMessage {
+  uint32_t flags = 0;
+  int64_t clock_ms = 0;  // the sender's monotonic clock; rank 0's is the job's clock for stalls
+  std::vector<Request> requests;
+};
+
+std::string EncodeRankMessage(const RankMessage& message);
+Status DecodeRankMessage(const char* data, size_t size, RankMessage* out);
+
+}  // namespace hvdlite

@@ -1,0 +1,129 @@
+#include "tensor_queue.h"
+
+#include <unordered_set>
+
+namespace hvdlite {
+
+Status TensorQueue::Push(std::vector<Entry> entries) {
+  std::unordered_set<std::string> names;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!closed_.ok()) return closed_;
+  for (const Entry& entry : entries) {
+    const Request& r = entry.request;
+    if (!names.insert(r.name).second) {
+      return Status(StatusCode::kInvalidArgument,
+                    std::string(KindName(r.kind)) + " of '" + r.name +
+                        "': the name appears twice in one grouped call; names must be unique");
+    }
+    if (in_flight_.count(r.name)) {
+      return Status(StatusCode::kInvalidArgument,
+                    std::string(KindName(r.kind)) + " of '" + r.name +
+                        "': a collective with this name is already in flight on this rank; "
+                        "synchronize it first or use another name");
+    }
+  }
+  for (Entry& entry : entries) {
+    new_requests_.push_back(entry.request);
+    std::string name = entry.request.name;
+    in_flight_.emplace(std::move(name), std::move(entry));
+  }
+  cv_.notify_one();
+  return Status::Ok();
+}
+
+std::vector<Request> TensorQueue::TakeNewRequests() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Request> taken;
+  taken.swap(new_requests_);
+  return taken;
+}
+
+bool TensorQueue::TakeEntry(const std::string& name, Entry* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = in_flight_.find(name);
+  if (it == in_flight_.end()) return false;
+  *out = std::move(it->second);
+  in_flight_.erase(it);
+  return true;
+}
+
+bool TensorQueue::HasNew() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !new_requests_.empty();
+}
+
+bool TensorQueue::HasInFlight() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !in_flight_.empty();
+}
+
+void TensorQueue::WaitForWork(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, deadline, [&] { return woken_ || !new_requests_.empty(); });
+  woken_ = false;
+}
+
+void TensorQueue::Wake() {
+  std::lock_guard<std::mutex> lock(mu_);
+  woken_ = true;
+  cv_.notify_one();
+}
+
+std::vector<Entry> TensorQueue::Close(const Status& status) {
+  std::vector<Entry> remaining;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_.ok()) closed_ = status;
+  for (auto& [name, entry] : in_flight_) remaining.push_back(std::move(entry));
+  in_flight_.clear();
+  new_requests_.clear();
+  return remaining;
+}
+
+int64_t HandleTable::Create() {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t handle = next_++;
+  slots_.emplace(handle, Slot());
+  return handle;
+}
+
+void HandleTable::Complete(int64_t handle, Completion completion) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(handle);
+  if (it == slots_.end()) return;
+  it->second.done = true;
+  // Swap rather than assign, so the slot's previous (empty) tensors die here, not the output.
+  std::swap(it->second.completion, completion);
+  cv_.notify_all();
+}
+
+Status HandleTable::Poll(int64_t handle, bool* done) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(handle);
+  if (it == slots_.end()) {
+    return Status(StatusCode::kInvalidArgument,
+                  "unknown handle " + std::to_string(handle) + " (already synchronized?)");
+  }
+  *done = it->second.done;
+  return Status::Ok();
+}
+
+void HandleTable::Discard(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  slots_.erase(handle);
+}
+
+Status HandleTable::Wait(int64_t handle, Completion* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = slots_.find(handle);
+  if (it == slots_.end()) {
+    return Status(StatusCode::kInvalidArgument,
+                  "unknown handle " + std::to_string(handle) + " (already synchronized?)");
+  }
+  cv_.wait(lock, [&] { return slots_.at(handle).done; });
+  it = slots_.find(handle);
+  *out = std::move(it->second.completion);
+  slots_.erase(it);
+  return Status::Ok();
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,94 @@
+// TensorQueue and HandleTable: the only state that Python threads and the background thread
+// share. Each has one mutex, held only for short map operations; neither ever calls into torch
+// or Python while holding it (Note [GIL and tensor references]).
+//
+// Note [GIL and tensor references]
+// Dropping the last reference to a tensor that Python created makes torch take the GIL. So a
+// Python-facing call must never wait on these locks while holding the GIL (every binding
+// releases it), and the background thread never destroys an Entry while holding a lock: it
+// moves entries out first and lets them die outside.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "message.h"
+#include "status.h"
+
+namespace hvdlite {
+
+struct Entry {
+  int64_t handle = 0;
+  Request request;
+  at::Tensor input;
+  at::Tensor output;  // allreduce/broadcast: allocated by Python (the input itself if in place)
+  std::shared_ptr<c10::Event> ready_event;  // non-CPU tensors: recorded on the caller's stream
+};
+
+class TensorQueue {
+ public:
+  // All or nothing: refuses the whole list if a name repeats within it or is already in
+  // flight on this rank, or if the queue was closed (then with the closing status).
+  Status Push(std::vector<Entry> entries);
+
+  // Requests pushed since the last call, in push order (background thread).
+  std::vector<Request> TakeNewRequests();
+  // Removes the entry for a name this rank submitted; false if there is none.
+  bool TakeEntry(const std::string& name, Entry* out);
+
+  bool HasNew();
+  bool HasInFlight();
+  // Blocks until a push or Wake(), or until `deadline`.
+  void WaitForWork(std::chrono::steady_clock::time_point deadline);
+  void Wake();
+
+  // Refuses every later push with `status` and returns every entry still in flight.
+  std::vector<Entry> Close(const Status& status);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool woken_ = false;
+  Status closed_;
+  std::unordered_map<std::string, Entry> in_flight_;
+  std::vector<Request> new_requests_;
+};
+
+struct Completion {
+  Status status;
+  at::Tensor output;
+  std::shared_ptr<c10::Event> done_event;  // non-CPU: the output is ready after this event
+};
+
+class HandleTable {
+ public:
+  int64_t Create();
+  void Complete(int64_t handle, Completion completion);
+  // kInvalidArgument for a handle that does not exist (never created or already waited on).
+  Status Poll(int64_t handle, bool* done);
+  // Forgets a handle whose operation was never queued.
+  void Discard(int64_t handle);
+  // Blocks until the handle completes, then consumes it.
+  Status Wait(int64_t handle, Completion* out);
+
+ private:
+  struct Slot {
+    bool done = false;
+    Completion completion;
+  };
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t next_ = 1;
+  std::unordered_map<int64_t, Slot> slots_;
+};
+
+}  // namespace hvdlite

@@ -1,0 +1,38 @@
+// Vocabulary shared by every part of the core: collective kinds, reduce ops and the small
+// value types that travel between ranks. Pure data, no locking, no torch headers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hvdlite {
+
+enum class CollectiveKind : uint8_t {
+  kAllreduce = 0,
+  kAllgather = 1,
+  kBroadcast = 2,
+};
+constexpr int kNumCollectiveKinds = 3;
+
+// Values match horovod.torch's constants so ported code that stores them keeps working.
+enum class ReduceOp : uint8_t {
+  kAverage = 0,
+  kSum = 1,
+  kAdasum = 2,  // accepted by the Python layer's validation only to reject it clearly
+  kMin = 3,
+  kMax = 4,
+  kProduct = 5,
+};
+constexpr int kMaxReduceOp = 5;
+
+const char* KindName(CollectiveKind kind);
+const char* ReduceOpName(ReduceOp op);
+
+// "[17, 3]" for error messages.
+std::string ShapeString(const std::vector<int64_t>& shape);
+
+// "rank 2" / "ranks 0, 1, 3".
+std::string RanksString(const std::vector<int>& ranks);
+
+}  // namespace hvdlite

@@ -1,0 +1,161 @@
+"""Where am I? Reads the launcher's environment and turns it into a topology and a rendezvous.
+
+Precedence, most explicit first: the variables hvdliterun sets (HVDLITE_*), torchrun's
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), Open MPI's
+(OMPI_COMM_WORLD_*), MPICH/PMI's (PMI_RANK, PMI_SIZE), SLURM's (SLURM_PROCID, ...). With none of
+them the process is a job of one rank. Pure functions of the environment mapping: no side effects.
+"""
+
+import dataclasses
+import os
+import re
+
+DEFAULT_PORT = 29500
+
+
+class LaunchEnvironmentError(ValueError):
+    """A launcher's environment that hvdlite cannot use; the message names the variable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    source: str  # "hvdliterun", "torchrun", "mpi", "slurm" or "single"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    addr: str = ""
+    port: int = 0
+    secret: str = ""       # hvdliterun's per-job secret; empty: a plain TCPStore
+    host_store: bool = False  # this process hosts the store (rank 0 under mpirun/SLURM)
+
+
+def _int(env, name, minimum=0):
+    value = env.get(name)
+    if value is None:
+        raise LaunchEnvironmentError(f"hvdlite.init(): {name} is not set")
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise LaunchEnvironmentError(f"hvdlite.init(): {name}={value!r} is not an integer") from None
+    if parsed < minimum:
+        raise LaunchEnvironmentError(f"hvdlite.init(): {name}={value!r} must be >= {minimum}")
+    return parsed
+
+
+def _opt_int(env, name, default):
+    return _int(env, name) if env.get(name) not in (None, "") else default
+
+
+def _cross(rank, size, local_rank, local_size, node_rank=None, nodes=None):
+    cross_size = nodes if nodes is not None else max(1, -(-size // max(local_size, 1)))
+    cross_rank = node_rank if node_rank is not None else rank // max(local_size, 1)
+    return cross_rank, cross_size
+
+
+def _check(topology):
+    if not 0 <= topology.rank < topology.size:
+        raise LaunchEnvironmentError(
+            f"hvdlite.init(): rank {topology.rank} is outside a job of size {topology.size} "
+            f"(from {topology.source})")
+    if not 0 <= topology.local_rank < topology.local_size:
+        raise LaunchEnvironmentError(
+            f"hvdlite.init(): local rank {topology.local_rank} is outside a local size of "
+            f"{topology.local_size} (from {topology.source})")
+    return topology
+
+
+def first_slurm_host(nodelist):
+    """'node[03-05,7],gpu1' -> 'node03'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return ""
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _tasks_per_node(value, node):
+    """SLURM's '4(x2),3' compressed list -> tasks on node index `node`."""
+    counts = []
+    for part in value.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if node < len(counts) else None
+
+
+def detect(env=None):
+    """Returns (Topology, Rendezvous) for this process."""
+    env = os.environ if env is None else env
+    if "HVDLITE_RANK" in env:
+        rank, size = _int(env, "HVDLITE_RANK"), _int(env, "HVDLITE_SIZE", 1)
+        local_rank = _opt_int(env, "HVDLITE_LOCAL_RANK", rank)
+        local_size = _opt_int(env, "HVDLITE_LOCAL_SIZE", size)
+        cross_rank = _opt_int(env, "HVDLITE_CROSS_RANK", 0)
+        cross_size = _opt_int(env, "HVDLITE_CROSS_SIZE", 1)
+        topology = Topology(rank, size, local_rank, local_size, cross_rank, cross_size, "hvdliterun")
+        if "HVDLITE_RENDEZVOUS_ADDR" not in env:
+            raise LaunchEnvironmentError("hvdlite.init(): HVDLITE_RANK is set but HVDLITE_RENDEZVOUS_ADDR is not")
+        rendezvous = Rendezvous(env["HVDLITE_RENDEZVOUS_ADDR"], _int(env, "HVDLITE_RENDEZVOUS_PORT", 1),
+                                env.get("HVDLITE_RENDEZVOUS_SECRET", ""), host_store=False)
+        return _check(topology), rendezvous
+
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE", 1)
+        local_rank = _opt_int(env, "LOCAL_RANK", rank)
+        local_size = _opt_int(env, "LOCAL_WORLD_SIZE", size)
+        node_rank = _opt_int(env, "GROUP_RANK", None) if "GROUP_RANK" in env else None
+        cross_rank, cross_size = _cross(rank, size, local_rank, local_size, node_rank)
+        topology = Topology(rank, size, local_rank, local_size, cross_rank, cross_size, "torchrun")
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        rendezvous = Rendezvous(env.get("MASTER_ADDR", "127.0.0.1"), _opt_int(env, "MASTER_PORT", DEFAULT_PORT),
+                                host_store=(rank == 0 and not agent_store))
+        return _check(topology), rendezvous
+
+    mpi = None
+    if "OMPI_COMM_WORLD_RANK" in env:
+        mpi = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+               "OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif "PMI_RANK" in env:
+        mpi = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    if mpi:
+        rank, size = _int(env, mpi[0]), _int(env, mpi[1], 1)
+        local_rank = _opt_int(env, mpi[2], rank)
+        local_size = _opt_int(env, mpi[3], size)
+        cross_rank, cross_size = _cross(rank, size, local_rank, local_size)
+        topology = Topology(rank, size, local_rank, local_size, cross_rank, cross_size, "mpi")
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            if local_size != size:
+                raise LaunchEnvironmentError(
+                    "hvdlite.init() under mpirun across hosts needs MASTER_ADDR (the address of "
+                    "rank 0's host) and optionally MASTER_PORT; or start the job with hvdliterun")
+            addr = "127.0.0.1"
+        return _check(topology), Rendezvous(addr, _opt_int(env, "MASTER_PORT", DEFAULT_PORT),
+                                            host_store=(rank == 0))
+
+    if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
+        rank = _int(env, "SLURM_PROCID")
+        size = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS", 1)
+        node = _opt_int(env, "SLURM_NODEID", 0)
+        nodes = _opt_int(env, "SLURM_STEP_NUM_NODES", _opt_int(env, "SLURM_NNODES", 1))
+        local_rank = _opt_int(env, "SLURM_LOCALID", 0)
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+        local_size = _tasks_per_node(per_node, node) or max(1, size // max(nodes, 1))
+        topology = Topology(rank, size, local_rank, local_size, node, nodes, "slurm")
+        addr = env.get("MASTER_ADDR") or first_slurm_host(
+            env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "") or "127.0.0.1"
+        default_port = 20000 + _opt_int(env, "SLURM_JOB_ID", 0) % 20000
+        return _check(topology), Rendezvous(addr, _opt_int(env, "MASTER_PORT", default_port),
+                                            host_store=(rank == 0))
+
+    return Topology(0, 1, 0, 1, 0, 1, "single"), Rendezvous()

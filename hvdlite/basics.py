@@ -1,0 +1,236 @@
+"""Starting and stopping hvdlite, and what a rank knows about the job.
+
+``init()`` reads the launcher's environment (see ``_environment.py``), rendezvouses, creates
+the process groups the native engine uses (a Gloo group for negotiation, a Gloo group for CPU
+data, an NCCL group for CUDA data where CUDA is available) and starts the engine. All state
+lives in one ``_State`` object, created by ``init()`` and dropped by ``shutdown()``.
+"""
+
+import atexit
+import dataclasses
+import datetime
+import ipaddress
+import itertools
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from . import _environment
+from .exceptions import NotInitializedError
+
+try:
+    from . import _core
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "hvdlite's native extension hvdlite._core could not be imported "
+        f"({exc}). Build it against the installed torch with "
+        "'pip install --no-build-isolation .' (or '-e .' in a checkout), with torch installed first."
+    ) from exc
+
+# Note [Process group timeout]: the engine only starts a data collective once negotiation has
+# shown every rank is ready, and an idle engine still joins a negotiation round every heartbeat,
+# so a collective waiting this long means a peer process is frozen, not slow.
+_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+_RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+@dataclasses.dataclass
+class _State:
+    topology: _environment.Topology
+    engine: object  # _core.Engine
+    groups: tuple   # keeps the process groups alive as long as the engine
+    handles: dict = dataclasses.field(default_factory=dict)
+    handle_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
+    group_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+
+_state = None
+_lock = threading.Lock()
+_generation = itertools.count()
+_stores = {}  # (addr, port) -> store, kept for init() after shutdown() in the same process
+_atexit_registered = False
+
+
+def _is_loopback(addr):
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _store_for(rendezvous, topology):
+    key = (rendezvous.addr, rendezvous.port)
+    if key in _stores:
+        return _stores[key]
+    if rendezvous.secret:
+        from .runner.rendezvous import connect
+        store = connect(rendezvous.addr, rendezvous.port, rendezvous.secret, topology.rank,
+                        _RENDEZVOUS_TIMEOUT)
+    else:
+        store = dist.TCPStore(rendezvous.addr, rendezvous.port, topology.size,
+                              is_master=rendezvous.host_store, timeout=_RENDEZVOUS_TIMEOUT,
+                              wait_for_workers=False)
+    _stores[key] = store
+    return store
+
+
+def _gloo_group(store, rank, size, loopback):
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _PROCESS_GROUP_TIMEOUT
+    if loopback:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _nccl_group(store, rank, size):
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = _PROCESS_GROUP_TIMEOUT
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _create_groups(topology, rendezvous):
+    """Returns (control, cpu data, cuda data or None) c10d backends."""
+    generation = next(_generation)
+    if dist.is_initialized():
+        # The user's own init_process_group: build ours beside it, from the same store.
+        if dist.get_world_size() != topology.size and topology.source != "single":
+            raise ValueError(
+                f"hvdlite.init(): torch.distributed was initialized with world size "
+                f"{dist.get_world_size()}, but the environment ({topology.source}) says {topology.size}")
+        store = dist.distributed_c10d._get_default_store()
+        rank, size = dist.get_rank(), dist.get_world_size()
+        loopback = False
+    elif topology.size == 1:
+        store, rank, size, loopback = dist.HashStore(), 0, 1, True
+    else:
+        store = _store_for(rendezvous, topology)
+        rank, size = topology.rank, topology.size
+        loopback = _is_loopback(rendezvous.addr)
+    prefix = f"hvdlite/{generation}/"
+    control = _gloo_group(dist.PrefixStore(prefix + "control", store), rank, size, loopback)
+    cpu = _gloo_group(dist.PrefixStore(prefix + "cpu", store), rank, size, loopback)
+    cuda = _nccl_group(dist.PrefixStore(prefix + "cuda", store), rank, size)
+    return control, cpu, cuda, rank, size
+
+
+def init(comm=None, process_sets=None):
+    """Starts hvdlite on this rank. Synchronizes with every other rank of the job.
+
+    Reads the environment of ``hvdliterun``, ``torchrun``, ``mpirun`` or ``srun``; with none of
+    them, runs as a job of one rank. If ``torch.distributed`` is already initialized, hvdlite
+    builds its process groups beside the user's. Calling ``init()`` again while initialized does
+    nothing; after ``shutdown()`` it starts a fresh engine.
+
+    ``comm`` (an MPI communicator in Horovod) is not supported and must be None.
+    """
+    global _state, _atexit_registered
+    if comm is not None:
+        raise ValueError("hvdlite.init(): comm= (an MPI communicator) is not supported; "
+                         "hvdlite reads the launcher's environment instead")
+    if process_sets is not None:
+        raise ValueError("hvdlite.init(): process_sets= is not supported yet")
+    with _lock:
+        if _state is not None:
+            return
+        topology, rendezvous = _environment.detect()
+        if dist.is_initialized() and topology.source == "single":
+            topology = dataclasses.replace(topology, rank=dist.get_rank(), size=dist.get_world_size(),
+                                           source="torch.distributed")
+        control, cpu, cuda, rank, size = _create_groups(topology, rendezvous)
+        engine = _core.Engine(control, cpu, cuda, rank, size)
+        _state = _State(topology=topology, engine=engine, groups=(control, cpu, cuda))
+        if not _atexit_registered:
+            # Exiting with work in flight and no shutdown can abort the process; see
+            # Note [Interpreter exit] in docs/design.md.
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown():
+    """Stops hvdlite on this rank, and with it on every rank (shutdown is negotiated).
+
+    Operations still pending fail with ``ShutdownError``. Safe to call more than once.
+    """
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is not None:
+        state.engine.shutdown()
+
+
+def is_initialized():
+    """True between ``init()`` and ``shutdown()``."""
+    return _state is not None
+
+
+def _current():
+    state = _state
+    if state is None:
+        raise NotInitializedError("hvdlite is not initialized: call hvdlite.init() first")
+    return state
+
+
+def size():
+    """Number of ranks in the job."""
+    return _current().topology.size
+
+
+def rank():
+    """This process's rank, 0 <= rank < size()."""
+    return _current().topology.rank
+
+
+def local_rank():
+    """This process's rank among the ranks on its host."""
+    return _current().topology.local_rank
+
+
+def local_size():
+    """Number of ranks on this host."""
+    return _current().topology.local_size
+
+
+def cross_rank():
+    """This host's index among the job's hosts."""
+    return _current().topology.cross_rank
+
+
+def cross_size():
+    """Number of hosts in the job."""
+    return _current().topology.cross_size
+
+
+def is_homogeneous():
+    """True when every host runs the same number of ranks."""
+    topology = _current().topology
+    return topology.local_size * topology.cross_size == topology.size
+
+
+def gloo_enabled():
+    return dist.is_gloo_available()
+
+
+def gloo_built():
+    return dist.is_gloo_available()
+
+
+def nccl_built():
+    return dist.is_nccl_available()
+
+
+def mpi_enabled():
+    return False
+
+
+def mpi_built():
+    return False
+
+
+def mpi_threads_supported():
+    return False

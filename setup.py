@@ -1,0 +1,40 @@
+"""Build and install hvdlite.
+
+The extension hvdlite._core is compiled against the torch that is already installed, so build
+without isolation:  pip install --no-build-isolation .   (or -e . for development)
+"""
+import glob
+import os
+
+from setuptools import setup
+
+try:
+    import torch  # noqa: F401
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError as exc:  # pragma: no cover - only hit on a misconfigured build
+    raise SystemExit(
+        "hvdlite builds against the installed torch: install torch first "
+        "(pip install torch==2.13.0), then pip install --no-build-isolation ."
+    ) from exc
+
+debug = os.environ.get("HVDLITE_DEBUG_BUILD") == "1"
+ext = CppExtension(
+    name="hvdlite._core",
+    sources=sorted(glob.glob("csrc/*.cc")),
+    include_dirs=[os.path.abspath("csrc")],
+    # Note [Build flags]: setuptools' default -O3 -g doubles compile time and the library size.
+    extra_compile_args=["-O0", "-g"] if debug else ["-O2", "-g0"],
+)
+
+setup(
+    name="hvdlite",
+    version="0.1.0",
+    description="Horovod-style data-parallel training for PyTorch over torch.distributed",
+    packages=["hvdlite", "hvdlite.runner"],
+    package_dir={"hvdlite": "hvdlite", "hvdlite.runner": "runner"},
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    entry_points={"console_scripts": ["hvdliterun = hvdlite.runner.launch:main"]},
+    python_requires=">=3.9",
+    install_requires=[],
+)
