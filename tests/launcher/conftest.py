@@ -1,0 +1,52 @@
+"""Shared helpers for the hvdliterun end-to-end tests.
+
+Every test gets a hard per-test alarm, and every subprocess a timeout, so nothing can hang CI.
+The launcher is always run as `python -m hvdlite.runner.launch`, from a temporary directory
+(so a source checkout in the working directory cannot shadow the installed package).
+"""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+LAUNCH = [sys.executable, "-m", "hvdlite.runner.launch"]
+TEST_HARD_TIMEOUT = 90
+
+
+@pytest.fixture(autouse=True)
+def _hard_timeout():
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"test exceeded {TEST_HARD_TIMEOUT} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(TEST_HARD_TIMEOUT)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def hvdliterun(tmp_path):
+    """Run the launcher to completion; returns a CompletedProcess with text output."""
+
+    def run(*args, timeout=30, extra_env=None, env=None, cwd=None):
+        full_env = dict(os.environ if env is None else env)
+        full_env.update(extra_env or {})
+        return subprocess.run(LAUNCH + [str(a) for a in args], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, cwd=cwd or tmp_path)
+
+    return run
+
+
+def rank_lines(text, stream="stdout"):
+    """{rank: [lines]} from prefixed launcher output; other lines under None."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("[") and f"]<{stream}>: " in line:
+            head, _, rest = line.partition(f"]<{stream}>: ")
+            out.setdefault(int(head[1:]), []).append(rest)
+        else:
+            out.setdefault(None, []).append(line)
+    return out
