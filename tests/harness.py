@@ -1,0 +1,118 @@
+"""Runs a test function on N real ranks: separate processes on 127.0.0.1 with a hard timeout.
+
+    results = run_ranks(2, "tests.multirank.test_allreduce", "check_sum", arg1, ...)
+
+Each rank is a fresh interpreter with the variables hvdliterun would set (HVDLITE_RANK, ...,
+rendezvous on a TCPStore this process hosts on a free port) and one torch thread. The function
+(module-level, named by module and attribute) runs with (*args) and its return value comes back
+pickled, in rank order. A rank that fails raises AssertionError carrying its traceback; a job
+past its timeout is killed and the error names the ranks that had not finished.
+"""
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_BOOT = r"""
+import importlib, pickle, sys, traceback
+args_path, result_path = sys.argv[1], sys.argv[2]
+with open(args_path, "rb") as f:
+    module, attr, args = pickle.load(f)
+try:
+    fn = getattr(importlib.import_module(module), attr)
+    result = fn(*args)
+except BaseException:
+    traceback.print_exc()
+    sys.stderr.flush()
+    sys.exit(1)
+with open(result_path, "wb") as f:
+    pickle.dump(result, f)
+"""
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def rank_env(rank, size, port, extra=None):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HVDLITE_", "OMPI_", "PMI_", "SLURM_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                         "MASTER_PORT")}
+    env.update({
+        "HVDLITE_RANK": str(rank), "HVDLITE_SIZE": str(size),
+        "HVDLITE_LOCAL_RANK": str(rank), "HVDLITE_LOCAL_SIZE": str(size),
+        "HVDLITE_CROSS_RANK": "0", "HVDLITE_CROSS_SIZE": "1",
+        "HVDLITE_RENDEZVOUS_ADDR": "127.0.0.1", "HVDLITE_RENDEZVOUS_PORT": str(port),
+        "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+class Job:
+    """N rank processes running one function; start() then wait(), or use run_ranks()."""
+
+    def __init__(self, size, module, attr, *args, env=None, rank_env_extra=None):
+        self.size = size
+        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+        self.dir = tempfile.mkdtemp(prefix="hvdlite-test-")
+        self.procs = []
+        for rank in range(size):
+            args_path = os.path.join(self.dir, f"args.{rank}")
+            with open(args_path, "wb") as f:
+                pickle.dump((module, attr, args), f)
+            extra = dict(env or {})
+            extra.update((rank_env_extra or {}).get(rank, {}))
+            out = open(os.path.join(self.dir, f"out.{rank}"), "wb")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-c", _BOOT, args_path, os.path.join(self.dir, f"result.{rank}")],
+                env=rank_env(rank, size, self.store.port, extra), stdout=out,
+                stderr=subprocess.STDOUT, cwd=REPO))
+        self.started = time.monotonic()
+
+    def output(self, rank):
+        with open(os.path.join(self.dir, f"out.{rank}"), "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def kill(self, rank):
+        self.procs[rank].kill()
+
+    def wait(self, timeout=60, allow_failure=()):
+        """Results in rank order; ranks in allow_failure may fail (their result is None)."""
+        deadline = self.started + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        hung = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if hung:
+            tails = "\n".join(f"--- rank {r} output:\n{self.output(r)[-3000:]}" for r in hung)
+            raise RankFailed(f"ranks {hung} still running after {timeout} s (killed)\n{tails}")
+        results = []
+        for rank, proc in enumerate(self.procs):
+            if proc.returncode != 0:
+                if rank in allow_failure:
+                    results.append(None)
+                    continue
+                raise RankFailed(f"rank {rank} exited with {proc.returncode}:\n{self.output(rank)[-5000:]}")
+            with open(os.path.join(self.dir, f"result.{rank}"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def run_ranks(size, module, attr, *args, timeout=60, env=None):
+    return Job(size, module, attr, *args, env=env).wait(timeout=timeout)

@@ -1,0 +1,61 @@
+"""Independent references: every rank regenerates every rank's input from a seed and reduces
+them with plain torch, without hvdlite, so a test can check what it received."""
+
+import torch
+
+import hvdlite as hvd
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+          torch.int32, torch.int64]
+OPS = [hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product]
+
+
+def rank_input(seed, rank, shape, dtype, op=None):
+    """The tensor rank `rank` contributes: small values so sums and products stay exact."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype.is_floating_point:
+        if op == hvd.Product:
+            base = 1.0 + (torch.rand(shape, generator=g) - 0.5) * 0.2
+        else:
+            base = torch.randn(shape, generator=g)
+        return base.to(dtype)
+    low, high = (0, 4) if dtype == torch.uint8 else (-3, 4)
+    if op == hvd.Product:
+        low, high = (1, 3) if dtype == torch.uint8 else (-2, 3)
+    return torch.randint(low, high, shape, generator=g).to(dtype)
+
+
+def reduce_reference(inputs, op, prescale=1.0, postscale=1.0):
+    """What allreduce must return, computed in float64 from the ranks' inputs."""
+    dtype = inputs[0].dtype
+    wide = [t.to(torch.float64) for t in inputs]
+    if prescale != 1.0:
+        wide = [(t.to(dtype).to(torch.float64) * prescale) for t in wide]
+        if not dtype.is_floating_point:
+            wide = [torch.trunc(t) for t in wide]
+    stacked = torch.stack(wide)
+    if op in (hvd.Sum, hvd.Average):
+        out = stacked.sum(0)
+        if op == hvd.Average:
+            out = out / len(inputs)  # integers: truncated once, after the postscale below
+    elif op == hvd.Min:
+        out = stacked.min(0).values
+    elif op == hvd.Max:
+        out = stacked.max(0).values
+    else:
+        out = stacked.prod(0)
+    out = out * postscale
+    if not dtype.is_floating_point:
+        out = torch.trunc(out)
+    return out
+
+
+def assert_close(actual, expected, dtype, what):
+    assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}, expected {dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), \
+        f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5, torch.float64: 1e-10}
+    atol = tol.get(dtype, 0)
+    ok = torch.allclose(actual.to(torch.float64), expected.to(torch.float64), atol=atol,
+                        rtol=atol) if atol else torch.equal(actual.to(torch.float64), expected.to(torch.float64))
+    assert ok, f"{what}: got {actual.flatten()[:8].tolist()}, expected {expected.flatten()[:8].tolist()}"
