@@ -7,11 +7,11 @@ The launcher is always run as `python -m hvdlite.runner.launch`, from a temporar
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
-LAUNCH = [sys.executable, "-m", "hvdlite.runner.launch"]
+from launcher_helpers import LAUNCH
+
 TEST_HARD_TIMEOUT = 90
 
 
@@ -38,15 +38,3 @@ def hvdliterun(tmp_path):
                               timeout=timeout, env=full_env, cwd=cwd or tmp_path)
 
     return run
-
-
-def rank_lines(text, stream="stdout"):
-    """{rank: [lines]} from prefixed launcher output; other lines under None."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("[") and f"]<{stream}>: " in line:
-            head, _, rest = line.partition(f"]<{stream}>: ")
-            out.setdefault(int(head[1:]), []).append(rest)
-        else:
-            out.setdefault(None, []).append(line)
-    return out

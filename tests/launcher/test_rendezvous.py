@@ -1,7 +1,6 @@
 """The secret-protected rendezvous store: refusal without the secret, Store semantics, and a
 real Gloo allreduce over SecretStore between two processes."""
 import datetime
-import os
 import socket
 import subprocess
 import sys

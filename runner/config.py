@@ -1,0 +1,63 @@
+"""The launcher's typed configuration: what launch.py parses and job.py runs.
+
+Plain data; no I/O. `core_env()` is the one place flags become HVDLITE_* core variables.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .hosts import Host
+
+DEFAULT_START_TIMEOUT = 120.0
+DEFAULT_GRACE_PERIOD = 5.0
+
+
+@dataclass
+class CoreKnobs:
+    """Core settings handed to every rank as HVDLITE_* variables; None leaves the default."""
+
+    fusion_threshold_mb: Optional[float] = None
+    cycle_time_ms: Optional[float] = None
+    timeline_filename: Optional[str] = None
+    verbose: bool = False
+    stall_check_time_seconds: Optional[float] = None
+    stall_shutdown_time_seconds: Optional[float] = None
+
+    def core_env(self) -> Dict[str, str]:
+        env = {}
+        if self.fusion_threshold_mb is not None:
+            env["HVDLITE_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
+        if self.cycle_time_ms is not None:
+            env["HVDLITE_CYCLE_TIME"] = f"{self.cycle_time_ms:g}"
+        if self.timeline_filename is not None:
+            env["HVDLITE_TIMELINE"] = self.timeline_filename
+        if self.verbose:
+            env["HVDLITE_LOG_LEVEL"] = "debug"
+        if self.stall_check_time_seconds is not None:
+            env["HVDLITE_STALL_CHECK_TIME_SECONDS"] = f"{self.stall_check_time_seconds:g}"
+        if self.stall_shutdown_time_seconds is not None:
+            env["HVDLITE_STALL_SHUTDOWN_TIME_SECONDS"] = f"{self.stall_shutdown_time_seconds:g}"
+        return env
+
+
+@dataclass
+class SshOptions:
+    port: Optional[int] = None
+    identity_file: Optional[str] = None
+
+
+@dataclass
+class JobConfig:
+    """One job: `np` ranks of `command` on `hosts` (None: all local)."""
+
+    command: List[str]
+    np: int
+    hosts: Optional[List[Host]] = None
+    ssh: SshOptions = field(default_factory=SshOptions)
+    network_interface: Optional[str] = None
+    start_timeout: float = DEFAULT_START_TIMEOUT
+    grace_period: float = DEFAULT_GRACE_PERIOD
+    output_dir: Optional[str] = None
+    knobs: CoreKnobs = field(default_factory=CoreKnobs)
+    extra_env: Dict[str, str] = field(default_factory=dict)  # on top of the launcher's own
+    cwd: Optional[str] = None  # None: the launcher's working directory
+    verbose: bool = False

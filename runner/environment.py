@@ -1,0 +1,71 @@
+"""The environment each rank starts with: the contract with hvd.init() and with torchrun code.
+
+hvd.init() reads exactly the HVDLITE_* names set by `rank_environment`; plain torch.distributed
+code reads the torchrun names. Pure functions, no I/O.
+"""
+import re
+from dataclasses import dataclass
+from typing import Dict, Mapping
+
+from .hosts import SlotInfo
+
+# Set per rank; anything of the same name in the launcher's environment is replaced.
+CONTRACT_VARS = (
+    "HVDLITE_RANK", "HVDLITE_SIZE", "HVDLITE_LOCAL_RANK", "HVDLITE_LOCAL_SIZE",
+    "HVDLITE_CROSS_RANK", "HVDLITE_CROSS_SIZE", "HVDLITE_HOSTNAME",
+    "HVDLITE_RENDEZVOUS_ADDR", "HVDLITE_RENDEZVOUS_PORT", "HVDLITE_RENDEZVOUS_SECRET",
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)
+
+# Variables that describe the launching machine or session, not the job: never sent over ssh.
+_HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY", "TERM",
+                  "TMUX", "TMUX_PANE", "SHELL", "USER", "LOGNAME", "HOME", "MAIL", "PS1",
+                  "XDG_RUNTIME_DIR", "XDG_SESSION_ID", "DBUS_SESSION_BUS_ADDRESS", "LS_COLORS"}
+_HOST_SPECIFIC_PREFIXES = ("SSH_", "BASH_FUNC_", "XDG_", "KRB5")
+_VALID_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where ranks meet: the launcher's store and rank 0's torch MASTER_ADDR/PORT."""
+
+    addr: str
+    port: int
+    secret: str
+    master_addr: str
+    master_port: int
+
+
+def rank_environment(base: Mapping[str, str], slot: SlotInfo, rdzv: Rendezvous,
+                     core: Mapping[str, str]) -> Dict[str, str]:
+    """`base` (the launcher's environment plus extras) with this rank's variables on top."""
+    env = dict(base)
+    env.update(core)
+    env.update({
+        "HVDLITE_RANK": str(slot.rank),
+        "HVDLITE_SIZE": str(slot.size),
+        "HVDLITE_LOCAL_RANK": str(slot.local_rank),
+        "HVDLITE_LOCAL_SIZE": str(slot.local_size),
+        "HVDLITE_CROSS_RANK": str(slot.cross_rank),
+        "HVDLITE_CROSS_SIZE": str(slot.cross_size),
+        "HVDLITE_HOSTNAME": slot.hostname,
+        "HVDLITE_RENDEZVOUS_ADDR": rdzv.addr,
+        "HVDLITE_RENDEZVOUS_PORT": str(rdzv.port),
+        "HVDLITE_RENDEZVOUS_SECRET": rdzv.secret,
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(slot.size),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(slot.local_size),
+        "MASTER_ADDR": rdzv.master_addr,
+        "MASTER_PORT": str(rdzv.master_port),
+    })
+    return env
+
+
+def exportable(env: Mapping[str, str]) -> Dict[str, str]:
+    """The part of `env` worth sending to a remote host on the ssh command line."""
+    return {
+        k: v for k, v in env.items()
+        if _VALID_NAME.match(k) and k not in _HOST_SPECIFIC
+        and not k.startswith(_HOST_SPECIFIC_PREFIXES)
+    }

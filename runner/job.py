@@ -1,0 +1,160 @@
+"""One job from start to end: rendezvous, ranks, the watch loop, the verdict.
+
+`run_job(config)` runs on the launcher's main thread and returns a JobResult; it never exits
+the process (launch.py and run() decide what to do with the result).
+
+Note [Start timeout]
+A rank "arrives" when it authenticates with the rendezvous store (hvd.init() does this). When
+the start timeout expires and some ranks have arrived, every running rank that has not is named
+and the job is stopped. When no rank at all has arrived by then, the job is taken to be plain
+torch.distributed code that rendezvous through MASTER_ADDR/MASTER_PORT instead, and the check is
+dropped: otherwise every non-hvdlite job would be killed after the timeout. Ranks that already
+exited are never counted as missing; their exit code speaks for them.
+"""
+import os
+import signal
+import socket
+import threading
+import time
+from typing import IO, Dict, List, Mapping, Optional
+
+from .config import JobConfig
+from .environment import Rendezvous, exportable, rank_environment
+from .errors import JobResult, RankExit
+from .hosts import Host, assign_slots
+from .network import (LocalHostDetector, address_towards, advertised_address,
+                      free_port, interface_address)
+from .output import OutputMux
+from .rendezvous import RendezvousServer, new_secret
+from .workers import WorkerGroup
+
+
+class _SignalWatch:
+    """Records SIGINT/SIGTERM sent to the launcher while a job runs (main thread only)."""
+
+    def __init__(self) -> None:
+        self.received: List[int] = []
+        self._previous: Dict[int, object] = {}
+
+    def __enter__(self) -> "_SignalWatch":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        self.received.append(signum)  # the watch loop acts on it; no work in the handler
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _rendezvous_binding(config: JobConfig, any_remote: bool, first_remote: Optional[str]):
+    """(address to bind, address ranks connect to) for the rendezvous server."""
+    if config.network_interface:
+        addr = interface_address(config.network_interface)
+        return addr, addr
+    if not any_remote:
+        return "127.0.0.1", "127.0.0.1"
+    return "0.0.0.0", address_towards(first_remote) or advertised_address()
+
+
+def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
+            stderr: Optional[IO[str]] = None,
+            environ: Optional[Mapping[str, str]] = None) -> JobResult:
+    """Run the job in `config` to the end and say how it went."""
+    hosts = config.hosts or [Host(socket.gethostname(), config.np)]
+    slots = assign_slots(hosts, config.np)
+    if config.hosts:
+        detector = LocalHostDetector()
+        is_local = {h.name: detector.is_local(h.name) for h in hosts}
+    else:
+        is_local = {hosts[0].name: True}
+    remote_hosts = [s.hostname for s in slots if not is_local[s.hostname]]
+
+    mux = OutputMux(stdout, stderr, config.output_dir)
+
+    def log(message: str) -> None:
+        if config.verbose:
+            mux.write_line(f"hvdliterun: {message}\n")
+
+    bind, addr = _rendezvous_binding(config, bool(remote_hosts),
+                                     remote_hosts[0] if remote_hosts else None)
+    server = RendezvousServer(new_secret(), host=bind, addr=addr).start()
+    rank0_host = slots[0].hostname
+    master_addr = addr if is_local[rank0_host] else rank0_host
+    rdzv = Rendezvous(addr=addr, port=server.port, secret=server.secret,
+                      master_addr=master_addr,
+                      master_port=free_port(bind, avoid={server.port}))
+    log(f"rendezvous store on {bind}:{server.port} (ranks connect to {addr}); "
+        f"MASTER_ADDR={rdzv.master_addr} MASTER_PORT={rdzv.master_port}")
+
+    base_env = dict(os.environ if environ is None else environ)
+    base_env.update(config.extra_env)
+    core_env = config.knobs.core_env()
+    cwd = config.cwd or os.getcwd()
+    group = WorkerGroup(mux, config.grace_period)
+    result = JobResult(start_timeout=config.start_timeout)
+
+    with _SignalWatch() as signals:
+        try:
+            _start_ranks(config, group, slots, is_local, base_env, core_env, rdzv, cwd, log)
+            _watch(config, group, server, signals, result)
+        except _LaunchError as exc:
+            result.launch_error = str(exc)
+        finally:
+            if group.running():
+                interrupted = lambda: len(signals.received) > 1  # noqa: E731
+                stop_sig = result.stopped_by_signal or signal.SIGTERM
+                log(f"stopping ranks {group.running()} with {signal.Signals(stop_sig).name}")
+                group.stop(stop_sig, interrupted)
+            mux.drain(timeout=5.0)
+            server.stop()
+    result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode)
+                    for w in group.workers() if w.returncode is not None]
+    return result
+
+
+class _LaunchError(Exception):
+    pass
+
+
+def _start_ranks(config, group, slots, is_local, base_env, core_env, rdzv, cwd, log) -> None:
+    for slot in slots:
+        env = rank_environment(base_env, slot, rdzv, core_env)
+        where = "local" if is_local[slot.hostname] else f"ssh {slot.hostname}"
+        log(f"rank {slot.rank} ({where}): {' '.join(config.command)}")
+        try:
+            if is_local[slot.hostname]:
+                group.start_local(slot, config.command, env, cwd)
+            else:
+                group.start_remote(slot, config.command, exportable(env), cwd, config.ssh)
+        except OSError as exc:
+            program = config.command[0] if is_local[slot.hostname] else "ssh"
+            raise _LaunchError(f"could not start rank {slot.rank} on {slot.hostname}: "
+                               f"{program}: {exc.strerror or exc}") from None
+
+
+def _watch(config: JobConfig, group: WorkerGroup, server: RendezvousServer,
+           signals: _SignalWatch, result: JobResult) -> None:
+    """Wait until every rank exited, one failed, a signal came or the start timeout hit."""
+    start_deadline: Optional[float] = time.monotonic() + config.start_timeout
+    while group.running():
+        if signals.received:
+            result.stopped_by_signal = signals.received[0]
+            return
+        event = group.next_exit(timeout=0.1)
+        if event is not None:
+            rank, code = event
+            if code != 0:
+                worker = group.worker(rank)
+                result.root_cause = RankExit(rank, worker.slot.hostname, code)
+                return
+        if start_deadline is not None and time.monotonic() >= start_deadline:
+            start_deadline = None  # checked once; see Note [Start timeout]
+            arrived = server.arrived_ranks()
+            missing = [r for r in group.running() if r not in arrived]
+            if arrived and missing:
+                result.missing_ranks = missing
+                return

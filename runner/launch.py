@@ -1,0 +1,243 @@
+"""hvdliterun: the command line. Parses arguments into a JobConfig and calls run_job.
+
+Nothing else happens here: the job lives in job.py, hosts in hosts.py, and so on.
+"""
+import argparse
+import os
+import sys
+from typing import List, NoReturn, Optional, Sequence, Tuple
+
+from .config import (DEFAULT_GRACE_PERIOD, DEFAULT_START_TIMEOUT, CoreKnobs, JobConfig,
+                     SshOptions)
+from .hosts import HostSpecError, parse_host_list, parse_hostfile
+from .network import NetworkError
+
+PROG = "hvdliterun"
+
+DESCRIPTION = """\
+Start a data-parallel job of N ranks on one or more hosts.
+
+Each rank runs COMMAND with its place in the job in its environment, which hvd.init() reads
+(and plain torch.distributed code too, through torchrun's names). Every line a rank prints
+reaches this terminal prefixed with its rank: "[1]<stdout>: ..." or "[1]<stderr>: ...".
+
+Without -H or --hostfile all ranks run on this machine. Hosts named localhost, 127.x.x.x or
+this machine's own names and addresses run locally; every other host is reached with ssh
+(which must log in without a password), in the same working directory, with this launcher's
+environment forwarded.
+
+When a rank exits with a non-zero code, the other ranks get SIGTERM, then SIGKILL after a
+grace period, and hvdliterun prints the rank, its host and exit code and exits with that code.
+Ctrl-C or SIGTERM to hvdliterun stops every rank, local and remote."""
+
+EPILOG = """\
+examples:
+  hvdliterun -np 4 python train.py
+      four ranks on this machine
+  hvdliterun -np 8 -H node1:4,node2:4 python train.py --epochs 10
+      ranks 0-3 on node1, 4-7 on node2 (ssh to each)
+  hvdliterun --hostfile hosts.txt -p 2222 -i ~/.ssh/id_cluster python train.py
+      every slot listed in hosts.txt; hosts.txt holds lines like "node1 slots=4"
+      (# starts a comment)
+  hvdliterun -np 2 --output-filename logs/ --fusion-threshold-mb 32 python train.py
+      also writes logs/rank.0/stdout, logs/rank.0/stderr, logs/rank.1/...
+  hvdliterun --check-build
+      what this installation supports
+
+environment of each rank:
+  HVDLITE_RANK, HVDLITE_SIZE, HVDLITE_LOCAL_RANK, HVDLITE_LOCAL_SIZE,
+  HVDLITE_CROSS_RANK, HVDLITE_CROSS_SIZE    place in the job; ranks fill hosts in order
+  HVDLITE_HOSTNAME                          the host name the rank was assigned
+  HVDLITE_RENDEZVOUS_ADDR, _PORT, _SECRET   the launcher's secret-protected store
+  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+                                            torchrun's names, for plain torch.distributed;
+                                            MASTER_PORT differs from the rendezvous port
+  plus HVDLITE_FUSION_THRESHOLD, HVDLITE_CYCLE_TIME, HVDLITE_TIMELINE, HVDLITE_LOG_LEVEL,
+  HVDLITE_STALL_CHECK_TIME_SECONDS, HVDLITE_STALL_SHUTDOWN_TIME_SECONDS from the flags above.
+
+exit status:
+  0 when every rank exits 0; the first failing rank's exit code (1 if it was killed by a
+  signal); 128+N when stopped by signal N; 2 for a bad command line."""
+
+
+class UsageError(Exception):
+    """A bad command line; reported as one line and exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a port number: {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                usage=f"{PROG} [-np N] [-H HOSTS | --hostfile FILE] [options] COMMAND [ARGS...]")
+    job = p.add_argument_group("job")
+    job.add_argument("-np", "--num-proc", dest="np", type=_positive_int, metavar="N",
+                     help="number of ranks (default: every slot of -H/--hostfile; "
+                          "required without them)")
+    where = job.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
+                       help="hosts and how many ranks each takes, e.g. node1:4,node2:4; "
+                            "a host without :SLOTS takes one")
+    where.add_argument("--hostfile", metavar="FILE",
+                       help='file with one "HOST slots=N" per line; # starts a comment')
+    job.add_argument("--start-timeout", type=_positive_float, default=DEFAULT_START_TIMEOUT,
+                     metavar="SECONDS",
+                     help="ranks must reach the rendezvous (hvd.init()) within this time, "
+                          "else the job stops naming the ranks that did not; dropped when "
+                          "no rank uses the rendezvous, as plain torch.distributed code "
+                          f"does (default: {DEFAULT_START_TIMEOUT:g})")
+    job.add_argument("--grace-period", type=_positive_float, default=DEFAULT_GRACE_PERIOD,
+                     metavar="SECONDS",
+                     help="time between SIGTERM and SIGKILL when stopping ranks "
+                          f"(default: {DEFAULT_GRACE_PERIOD:g})")
+    job.add_argument("--output-filename", metavar="DIR",
+                     help="also write each rank's output, without prefixes, to "
+                          "DIR/rank.N/stdout and DIR/rank.N/stderr")
+    job.add_argument("--network-interface", metavar="IFACE",
+                     help="serve the rendezvous on this interface's IPv4 address "
+                          "(default: 127.0.0.1 for local jobs, all interfaces otherwise)")
+    job.add_argument("--verbose", action="store_true",
+                     help="log what the launcher does and set HVDLITE_LOG_LEVEL=debug")
+    job.add_argument("--check-build", action="store_true",
+                     help="print what this installation supports (torch, Gloo, NCCL, CUDA) "
+                          "and exit")
+
+    ssh = p.add_argument_group("ssh (for hosts other than this one)")
+    ssh.add_argument("-p", "--ssh-port", type=_port, metavar="PORT", help="ssh port")
+    ssh.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
+
+    core = p.add_argument_group("hvdlite core settings (become HVDLITE_* variables)")
+    core.add_argument("--fusion-threshold-mb", type=_positive_float, metavar="MB",
+                      help="fuse small tensors into buffers up to this size "
+                           "(HVDLITE_FUSION_THRESHOLD, in bytes; core default 64)")
+    core.add_argument("--cycle-time-ms", type=_positive_float, metavar="MS",
+                      help="background cycle time (HVDLITE_CYCLE_TIME)")
+    core.add_argument("--timeline-filename", metavar="FILE",
+                      help="write a Chrome trace timeline (HVDLITE_TIMELINE)")
+    core.add_argument("--stall-check-time-seconds", type=_positive_float, metavar="SECONDS",
+                      help="warn about ranks that have not submitted a tensor the others wait "
+                           "on after this long (HVDLITE_STALL_CHECK_TIME_SECONDS)")
+    core.add_argument("--stall-shutdown-time-seconds", type=_positive_float, metavar="SECONDS",
+                      help="fail the job after a stall this long "
+                           "(HVDLITE_STALL_SHUTDOWN_TIME_SECONDS)")
+
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]",
+                   help="the program every rank runs, with its arguments")
+    return p
+
+
+def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Namespace]:
+    """Parse argv into a JobConfig (None for --check-build). Raises UsageError."""
+    args = build_parser().parse_args(list(argv))
+    if args.check_build:
+        return None, args
+    command: List[str] = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("missing COMMAND: what should every rank run?")
+    if command[0].startswith("-"):
+        raise UsageError(f"unknown option {command[0]!r}")
+    try:
+        if args.hosts is not None:
+            hosts = parse_host_list(args.hosts)
+        elif args.hostfile is not None:
+            try:
+                with open(args.hostfile) as f:
+                    text = f.read()
+            except OSError as exc:
+                raise UsageError(f"cannot read --hostfile {args.hostfile}: {exc.strerror}")
+            hosts = parse_hostfile(text, args.hostfile)
+        else:
+            hosts = None
+        if hosts is None and args.np is None:
+            raise UsageError("-np N is required when no hosts are given")
+        np = args.np if args.np is not None else sum(h.slots for h in hosts)
+        if hosts is not None and np > sum(h.slots for h in hosts):
+            listing = ",".join(f"{h.name}:{h.slots}" for h in hosts)
+            raise UsageError(f"-np {np} is more than the {sum(h.slots for h in hosts)} "
+                             f"slots of {listing}")
+    except HostSpecError as exc:
+        raise UsageError(str(exc)) from None
+    if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
+        raise UsageError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
+
+    knobs = CoreKnobs(
+        fusion_threshold_mb=args.fusion_threshold_mb,
+        cycle_time_ms=args.cycle_time_ms,
+        timeline_filename=args.timeline_filename,
+        verbose=args.verbose,
+        stall_check_time_seconds=args.stall_check_time_seconds,
+        stall_shutdown_time_seconds=args.stall_shutdown_time_seconds,
+    )
+    config = JobConfig(
+        command=command, np=np, hosts=hosts,
+        ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file),
+        network_interface=args.network_interface, start_timeout=args.start_timeout,
+        grace_period=args.grace_period, output_dir=args.output_filename, knobs=knobs,
+        verbose=args.verbose,
+    )
+    return config, args
+
+
+def _usage_error(message: str) -> int:
+    sys.stderr.write(f"{PROG}: error: {message} (see {PROG} --help)\n")
+    sys.stderr.flush()
+    return 2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the hvdliterun console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config, _ = parse_config(argv)
+    except UsageError as exc:
+        return _usage_error(str(exc))
+    if config is None:
+        from .check_build import check_build
+        return check_build(sys.stdout)
+
+    from .job import run_job  # after parsing, so --help stays instant
+    try:
+        result = run_job(config)
+    except (HostSpecError, NetworkError) as exc:
+        return _usage_error(str(exc))
+    message = result.message()
+    if message:
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        sys.stderr.flush()
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

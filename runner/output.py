@@ -1,0 +1,77 @@
+"""Rank output: prefix every line with its rank and stream it, optionally also to files.
+
+One reader thread per rank pipe reads whole lines and writes each one, prefixed
+`[RANK]<stdout>: ` or `[RANK]<stderr>: `, under a single lock shared by both streams, so lines
+from different ranks never interleave mid-line. A rank's stdout goes to the launcher's stdout and
+its stderr to the launcher's stderr. With an output directory, each rank also gets
+DIR/rank.N/stdout and DIR/rank.N/stderr holding its lines without prefixes.
+"""
+import os
+import sys
+import threading
+import time
+from typing import BinaryIO, IO, List, Optional
+
+
+class OutputMux:
+    def __init__(self, stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
+                 output_dir: Optional[str] = None) -> None:
+        self._out = stdout or sys.stdout
+        self._err = stderr or sys.stderr
+        self._dir = output_dir
+        self._lock = threading.Lock()
+        self._threads: List[threading.Thread] = []
+        if output_dir:
+            os.makedirs(output_dir, exist_ok=True)
+
+    def attach(self, rank: int, stdout_pipe: BinaryIO, stderr_pipe: BinaryIO) -> None:
+        """Start streaming one rank's pipes; returns at once."""
+        for pipe, name, sink in ((stdout_pipe, "stdout", self._out),
+                                 (stderr_pipe, "stderr", self._err)):
+            thread = threading.Thread(target=self._pump, args=(rank, pipe, name, sink),
+                                      name=f"hvdlite-output-{rank}-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _rank_file(self, rank: int, name: str) -> Optional[BinaryIO]:
+        if not self._dir:
+            return None
+        rank_dir = os.path.join(self._dir, f"rank.{rank}")
+        os.makedirs(rank_dir, exist_ok=True)
+        return open(os.path.join(rank_dir, name), "wb")
+
+    def _pump(self, rank: int, pipe: BinaryIO, name: str, sink: IO[str]) -> None:
+        prefix = f"[{rank}]<{name}>: "
+        file = self._rank_file(rank, name)
+        try:
+            for raw in iter(pipe.readline, b""):
+                if file is not None:
+                    file.write(raw)
+                    file.flush()
+                line = raw.decode(errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"  # a last line without newline still ends whole
+                self.write_line(prefix + line, sink)
+        except (OSError, ValueError):
+            pass  # the pipe was closed under us while stopping
+        finally:
+            if file is not None:
+                file.close()
+            pipe.close()
+
+    def write_line(self, text: str, sink: Optional[IO[str]] = None) -> None:
+        """Write text (one or more whole lines) without interleaving with rank output."""
+        sink = sink or self._err
+        with self._lock:
+            try:
+                sink.write(text)
+                sink.flush()
+            except (OSError, ValueError):
+                pass  # a closed terminal must not kill the reader thread
+
+    def drain(self, timeout: float) -> bool:
+        """Wait for every pipe to reach end of file; False if some are still open."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)

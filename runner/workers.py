@@ -1,0 +1,157 @@
+"""Rank processes: start them (locally or over ssh), watch their exits, stop them all.
+
+Runs on the launcher's main thread, plus one waiter thread per rank that blocks in wait() and
+reports the exit through a queue (so the first failure is seen in the order it happened).
+
+Every rank starts in a new session, hence its own process group: signals sent by the terminal
+to the launcher do not hit the ranks directly, and stopping a rank signals its whole group, so
+helper processes it started go too.
+
+Note [Stopping remote ranks]
+Killing a local `ssh` does not signal the remote command (there is no terminal to hang up).
+So the remote side runs the rank under a small POSIX sh wrapper (REMOTE_WRAPPER): the rank runs
+in the background in its own session (setsid, when the host has it) with stdin from /dev/null,
+while a watcher reads the ssh connection's stdin, which the launcher keeps open and never
+writes. When the launcher closes it, or ssh dies, or the connection drops, the watcher sees end
+of file and sends SIGTERM to the rank's process group, then SIGKILL after the grace period.
+`set -m` would be the obvious way to get a process group, but without a terminal dash refuses
+it; and a non-interactive shell gives background jobs /dev/null as stdin, hence fd 3.
+"""
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .config import SshOptions
+from .hosts import SlotInfo
+from .output import OutputMux
+
+REMOTE_WRAPPER = """exec 3<&0 0</dev/null
+if command -v setsid >/dev/null 2>&1; then setsid "$@" 3<&- & else "$@" 3<&- & fi
+rank_pid=$!
+{{ while read -r _; do :; done
+  kill -TERM -$rank_pid || kill -TERM $rank_pid
+  sleep {grace}
+  kill -KILL -$rank_pid || kill -KILL $rank_pid
+}} <&3 >/dev/null 2>&1 &
+watcher_pid=$!
+exec 3<&-
+wait $rank_pid
+rc=$?
+kill $watcher_pid 2>/dev/null
+exit $rc"""
+
+
+def ssh_command(host: str, command: Sequence[str], env: Mapping[str, str], cwd: str,
+                options: SshOptions, grace_period: float) -> List[str]:
+    """The local argv that runs `command` on `host` in `cwd` with `env` exported."""
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no"]
+    if options.port is not None:
+        argv += ["-p", str(options.port)]
+    if options.identity_file is not None:
+        argv += ["-i", options.identity_file]
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+    wrapper = REMOTE_WRAPPER.format(grace=max(1, int(round(grace_period))))
+    remote = (f"cd {shlex.quote(cwd)} && exec env {exports} /bin/sh -c {shlex.quote(wrapper)} "
+              f"hvdlite-rank {' '.join(shlex.quote(a) for a in command)}")
+    return argv + [host, remote]
+
+
+@dataclass
+class Worker:
+    slot: SlotInfo
+    process: subprocess.Popen
+    remote: bool
+    returncode: Optional[int] = None
+
+
+class WorkerGroup:
+    """The ranks of one job."""
+
+    def __init__(self, mux: OutputMux, grace_period: float) -> None:
+        self._mux = mux
+        self._grace = grace_period
+        self._workers: Dict[int, Worker] = {}
+        self._exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()
+
+    # -- starting
+    def start_local(self, slot: SlotInfo, command: Sequence[str], env: Mapping[str, str],
+                    cwd: str) -> None:
+        process = subprocess.Popen(list(command), env=dict(env), cwd=cwd,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, start_new_session=True)
+        self._track(Worker(slot, process, remote=False))
+
+    def start_remote(self, slot: SlotInfo, command: Sequence[str], env: Mapping[str, str],
+                     cwd: str, options: SshOptions) -> None:
+        argv = ssh_command(slot.hostname, command, env, cwd, options, self._grace)
+        # stdin stays open and unused: closing it stops the remote rank (Note [Stopping
+        # remote ranks]).
+        process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, start_new_session=True)
+        self._track(Worker(slot, process, remote=True))
+
+    def _track(self, worker: Worker) -> None:
+        rank = worker.slot.rank
+        self._workers[rank] = worker
+        self._mux.attach(rank, worker.process.stdout, worker.process.stderr)
+        threading.Thread(target=self._wait, args=(rank, worker.process),
+                         name=f"hvdlite-wait-{rank}", daemon=True).start()
+
+    def _wait(self, rank: int, process: subprocess.Popen) -> None:
+        self._exits.put((rank, process.wait()))
+
+    # -- watching
+    def running(self) -> List[int]:
+        return sorted(r for r, w in self._workers.items() if w.returncode is None)
+
+    def worker(self, rank: int) -> Worker:
+        return self._workers[rank]
+
+    def workers(self) -> List[Worker]:
+        return [self._workers[r] for r in sorted(self._workers)]
+
+    def next_exit(self, timeout: float) -> Optional[Tuple[int, int]]:
+        """The next rank to exit as (rank, returncode), or None after `timeout` seconds."""
+        try:
+            rank, code = self._exits.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self._workers[rank].returncode = code
+        return rank, code
+
+    # -- stopping
+    def _signal(self, worker: Worker, sig: int) -> None:
+        if worker.remote and worker.process.stdin is not None:
+            try:
+                worker.process.stdin.close()
+            except OSError:
+                pass
+        try:
+            os.killpg(worker.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def signal_all(self, sig: int) -> None:
+        for rank in self.running():
+            self._signal(self._workers[rank], sig)
+
+    def stop(self, sig: int = signal.SIGTERM, interrupted=lambda: False) -> None:
+        """Send `sig` to every running rank, SIGKILL what is left after the grace period.
+
+        `interrupted()` returning True (another Ctrl-C) skips the rest of the grace period.
+        """
+        self.signal_all(sig)
+        deadline = time.monotonic() + self._grace
+        while self.running() and time.monotonic() < deadline and not interrupted():
+            self.next_exit(timeout=0.05)
+        if self.running():
+            self.signal_all(signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while self.running() and time.monotonic() < deadline:
+            self.next_exit(timeout=0.05)

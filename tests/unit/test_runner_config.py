@@ -1,0 +1,70 @@
+"""hvdliterun's command line -> JobConfig, and each rank's environment (pure, one process)."""
+import pytest
+
+from hvdlite.runner.environment import Rendezvous, exportable, rank_environment
+from hvdlite.runner.hosts import Host, assign_slots
+from hvdlite.runner.launch import UsageError, parse_config
+
+
+def test_parse_config_local_job():
+    config, _ = parse_config(["-np", "4", "python", "train.py", "--lr", "0.1"])
+    assert config.np == 4 and config.hosts is None
+    assert config.command == ["python", "train.py", "--lr", "0.1"]
+    assert config.start_timeout == 120 and config.knobs.core_env() == {}
+
+
+def test_parse_config_hosts_default_np_to_all_slots():
+    config, _ = parse_config(["-H", "a:2,b:3", "-p", "22", "-i", __file__, "x"])
+    assert config.np == 5 and config.hosts == [Host("a", 2), Host("b", 3)]
+    assert config.ssh.port == 22 and config.ssh.identity_file == __file__
+
+
+def test_parse_config_core_knobs_become_variables():
+    config, _ = parse_config(["-np", "1", "--fusion-threshold-mb", "0.5", "--cycle-time-ms", "1",
+                              "--timeline-filename", "t.json", "--verbose",
+                              "--stall-check-time-seconds", "60",
+                              "--stall-shutdown-time-seconds", "120.5", "x"])
+    assert config.knobs.core_env() == {
+        "HVDLITE_FUSION_THRESHOLD": str(512 * 1024),
+        "HVDLITE_CYCLE_TIME": "1",
+        "HVDLITE_TIMELINE": "t.json",
+        "HVDLITE_LOG_LEVEL": "debug",
+        "HVDLITE_STALL_CHECK_TIME_SECONDS": "60",
+        "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "120.5",
+    }
+
+
+def test_parse_config_check_build_needs_no_command():
+    config, args = parse_config(["--check-build"])
+    assert config is None and args.check_build
+
+
+@pytest.mark.parametrize("argv", [["-np", "x", "c"], ["-np", "1"], ["c"], ["-np", "-1", "c"],
+                                  ["-np", "3", "-H", "a:1", "c"], ["-H", "a:b", "c"],
+                                  ["-np", "1", "-i", "/no/such/key", "c"],
+                                  ["-np", "1", "--start-timeout", "0", "c"],
+                                  ["-np", "1", "--cycle-time-ms", "nan", "c"]])
+def test_parse_config_bad_command_lines_raise_usage_error(argv):
+    with pytest.raises(UsageError):
+        parse_config(argv)
+
+
+def test_rank_environment_overrides_contract_and_keeps_the_rest():
+    slot = assign_slots([Host("a", 2), Host("b", 2)], 4)[3]
+    rdzv = Rendezvous("10.0.0.1", 1234, "s3cret", "10.0.0.1", 5678)
+    env = rank_environment({"PATH": "/bin", "RANK": "stale"}, slot, rdzv,
+                           {"HVDLITE_CYCLE_TIME": "2"})
+    assert env["PATH"] == "/bin" and env["HVDLITE_CYCLE_TIME"] == "2"
+    assert (env["RANK"], env["HVDLITE_RANK"], env["HVDLITE_HOSTNAME"]) == ("3", "3", "b")
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["WORLD_SIZE"]) == ("1", "2", "4")
+    assert (env["HVDLITE_CROSS_RANK"], env["HVDLITE_CROSS_SIZE"]) == ("1", "2")
+    assert (env["HVDLITE_RENDEZVOUS_ADDR"], env["HVDLITE_RENDEZVOUS_PORT"]) == ("10.0.0.1", "1234")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "5678")
+    assert env["HVDLITE_RENDEZVOUS_SECRET"] == "s3cret"
+
+
+def test_exportable_drops_host_specific_variables():
+    env = {"HOSTNAME": "me", "PWD": "/x", "SHLVL": "2", "_": "/bin/x", "SSH_AUTH_SOCK": "s",
+           "DISPLAY": ":0", "BASH_FUNC_f%%": "() {}", "PATH": "/bin", "HVDLITE_RANK": "1",
+           "MY_VAR": "v"}
+    assert exportable(env) == {"PATH": "/bin", "HVDLITE_RANK": "1", "MY_VAR": "v"}
