@@ -54,10 +54,43 @@ class Reader {
   size_t left_;
 };
 
+// Names come from Python str objects, so they are UTF-8; anything else is corruption (and
+// would fail later, when an error message carrying the name is turned into a Python str).
+bool ValidUtf8(const std::string& s) {
+  auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  size_t i = 0;
+  while (i < s.size()) {
+    const unsigned char c = byte(i);
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    // Strict UTF-8 (as Python decodes it): no overlong forms, surrogates or code points past
+    // U+10FFFF. `low`/`high` bound the second byte; later ones are 0x80..0xBF.
+    size_t length = 0;
+    unsigned char low = 0x80, high = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) length = 2;
+    else if (c == 0xE0) length = 3, low = 0xA0;
+    else if (c == 0xED) length = 3, high = 0x9F;
+    else if (c >= 0xE1 && c <= 0xEF) length = 3;
+    else if (c == 0xF0) length = 4, low = 0x90;
+    else if (c >= 0xF1 && c <= 0xF3) length = 4;
+    else if (c == 0xF4) length = 4, high = 0x8F;
+    else return false;
+    if (s.size() - i < length) return false;
+    if (byte(i + 1) < low || byte(i + 1) > high) return false;
+    for (size_t k = 2; k < length; ++k) {
+      if (byte(i + k) < 0x80 || byte(i + k) > 0xBF) return false;
+    }
+    i += length;
+  }
+  return true;
+}
+
 bool ReadRequest(Reader& in, Request* r) {
   uint8_t kind = 0, op = 0;
   uint32_t ndim = 0;
-  if (!in.GetString(&r->name, kMaxNameBytes) || !in.Get(&kind) || !in.Get(&r->dtype) ||
+  if (!in.GetString(&r->name, kMaxNameBytes) || !ValidUtf8(r->name) || !in.Get(&kind) || !in.Get(&r->dtype) ||
       !in.Get(&r->device_type) || !in.Get(&op) || !in.Get(&r->root) || !in.Get(&r->prescale) ||
       !in.Get(&r->postscale) || !in.Get(&ndim))
     return false;
@@ -68,7 +101,8 @@ bool ReadRequest(Reader& in, Request* r) {
   for (uint32_t d = 0; d < ndim; ++d) {
     if (!in.Get(&r->shape[d]) || r->shape[d] < 0) return false;
   }
-  return in.GetString(&r->group, kMaxNameBytes) && in.Get(&r->group_size) && r->group_size >= 0;
+  return in.GetString(&r->group, kMaxNameBytes) && ValidUtf8(r->group) && in.Get(&r->group_size) &&
+         r->group_size >= 0;
 }
 
 }  // namespace

@@ -1,0 +1,153 @@
+"""The engine's pure logic in one process: negotiation, planning, encoding, configuration."""
+
+import pytest
+import torch
+
+import hvdlite  # noqa: F401  (imports torch, then the extension)
+from hvdlite import _core
+
+FLOAT, DOUBLE = 6, 7  # c10::ScalarType values
+ALLREDUCE, ALLGATHER, BROADCAST = 0, 1, 2
+
+
+def req(name, **kw):
+    d = {"name": name, "kind": ALLREDUCE, "dtype": FLOAT, "shape": [4], "op": 1}
+    d.update(kw)
+    return d
+
+
+def msg(*requests, flags=0, clock_ms=0):
+    return {"requests": list(requests), "flags": flags, "clock_ms": clock_ms}
+
+
+def test_negotiation_emits_a_name_once_every_rank_has_requested_it():
+    c = _core._ControllerHarness(3)
+    r = c.round([msg(req("a"), req("b")), msg(req("b")), msg()])
+    assert r["ready"] == [] and r["pending"] == 2
+    r = c.round([msg(), msg(req("a")), msg(req("b"), req("a"))])
+    assert [i["name"] for i in r["ready"]] == ["b", "a"]  # order of the last request, rank order
+    assert all(i["code"] == 0 for i in r["ready"]) and r["pending"] == 0
+
+
+def test_negotiation_mismatch_names_field_ranks_and_values():
+    c = _core._ControllerHarness(3)
+    r = c.round([msg(req("w", shape=[17, 3])), msg(req("w", shape=[17, 3])), msg(req("w", shape=[18, 3]))])
+    (item,) = r["ready"]
+    assert item["code"] == 2
+    assert item["message"] == "allreduce of 'w': shape mismatch: ranks 0, 1 have [17, 3]; rank 2 has [18, 3]"
+
+
+@pytest.mark.parametrize("field,a,b,text", [
+    ("dtype", FLOAT, DOUBLE, "dtype mismatch: rank 0 has Float; rank 1 has Double"),
+    ("op", 1, 4, "reduce op mismatch: rank 0 has Sum; rank 1 has Max"),
+    ("kind", ALLREDUCE, BROADCAST, "operation mismatch: rank 0 has allreduce; rank 1 has broadcast"),
+    ("postscale", 1.0, 0.5, "postscale factor mismatch: rank 0 has 1; rank 1 has 0.5"),
+    ("device_type", 0, 1, "device mismatch: rank 0 has cpu; rank 1 has cuda"),
+])
+def test_negotiation_detects_each_field(field, a, b, text):
+    c = _core._ControllerHarness(2)
+    r = c.round([msg(req("t", **{field: a})), msg(req("t", **{field: b}))])
+    assert text in r["ready"][0]["message"]
+
+
+def test_negotiation_broadcast_root_and_allgather_first_dimension():
+    c = _core._ControllerHarness(2)
+    r = c.round([msg(req("b", kind=BROADCAST, root=0)), msg(req("b", kind=BROADCAST, root=1))])
+    assert "root rank mismatch: rank 0 has 0; rank 1 has 1" in r["ready"][0]["message"]
+    r = c.round([msg(req("g", kind=ALLGATHER, shape=[2, 5])), msg(req("g", kind=ALLGATHER, shape=[7, 5]))])
+    assert r["ready"][0]["code"] == 0 and r["ready"][0]["rank_dim0"] == [2, 7]
+    r = c.round([msg(req("h", kind=ALLGATHER, shape=[2, 5])), msg(req("h", kind=ALLGATHER, shape=[2, 6]))])
+    assert "shape beyond the first dimension mismatch" in r["ready"][0]["message"]
+
+
+def test_group_is_released_only_when_complete_and_fails_as_a_whole():
+    c = _core._ControllerHarness(2)
+    g = dict(group="G", group_size=2)
+    r = c.round([msg(req("G.0", **g), req("G.1", **g)), msg(req("G.0", **g))])
+    assert r["ready"] == []
+    r = c.round([msg(), msg(req("G.1", **g))])
+    assert [i["name"] for i in r["ready"]] == ["G.0", "G.1"]
+    r = c.round([msg(req("H.0", group="H", group_size=2), req("H.1", group="H", group_size=2)),
+                 msg(req("H.0", group="H", group_size=2), req("H.1", shape=[5], group="H", group_size=2))])
+    assert [i["code"] for i in r["ready"]] == [2, 2]
+    assert all(i["message"].startswith("grouped operation 'H' failed: allreduce of 'H.1': shape mismatch")
+               for i in r["ready"])
+
+
+def test_round_flags_shutdown_quiet_and_outstanding():
+    c = _core._ControllerHarness(2)
+    r = c.round([msg(flags=2), msg(flags=2)])
+    assert r["quiet"] and r["all_outstanding"] and not r["shutdown"]
+    r = c.round([msg(flags=1), msg()])
+    assert r["shutdown"] and not r["all_outstanding"]
+
+
+def test_stall_warns_then_fails_naming_missing_ranks():
+    c = _core._ControllerHarness(3, 1.0, 3.0)
+    c.round([msg(req("s"), clock_ms=0), msg(req("s")), msg()])
+    r = c.round([msg(clock_ms=1500), msg(), msg()])
+    assert "allreduce 's' (waiting 1 s): missing rank 2, submitted by ranks 0, 1" in r["stall_warning"]
+    assert r["ready"] == []
+    r = c.round([msg(clock_ms=3100), msg(), msg()])
+    (item,) = r["ready"]
+    assert item["code"] == 4 and "missing rank 2" in item["message"]
+    assert r["pending"] == 0
+
+
+def test_planner_fuses_by_key_up_to_threshold():
+    ready = [req("a", shape=[10]), req("b", shape=[10], dtype=DOUBLE), req("c", shape=[10]),
+             req("d", shape=[10], op=4), req("e", shape=[10]), req("x", failed=True),
+             req("g", kind=ALLGATHER, shape=[10]), req("h", kind=ALLGATHER, shape=[10])]
+    assert _core._plan(ready, 1 << 20) == [["a", "c", "e"], ["b"], ["d"], ["x"], ["g"], ["h"]]
+    # 10 floats = 40 bytes: a threshold of 80 bytes fits two
+    assert _core._plan([req(n, shape=[10]) for n in "abcde"], 80) == [["a", "b"], ["c", "d"], ["e"]]
+    assert _core._plan([req(n, shape=[10]) for n in "abc"], 0) == [["a"], ["b"], ["c"]]
+    # a tensor larger than the threshold gets a batch of its own
+    assert _core._plan([req("s", shape=[2]), req("big", shape=[1000]), req("t", shape=[2])], 100) == \
+        [["s", "t"], ["big"]]
+    # broadcasts fuse per root
+    b = [req("p", kind=BROADCAST, root=0), req("q", kind=BROADCAST, root=1), req("r", kind=BROADCAST, root=0)]
+    assert _core._plan(b, 1 << 20) == [["p", "r"], ["q"]]
+
+
+def test_message_encoding_round_trips():
+    m = msg(req("grad.w", shape=[3, 0, 2], prescale=0.5, group="G", group_size=3),
+            req("ünïcödé-" + "x" * 5000, kind=BROADCAST, root=2), req("", shape=[]), flags=3, clock_ms=123)
+    decoded = _core._decode_message(_core._encode_message(m))
+    assert decoded["flags"] == 3 and decoded["clock_ms"] == 123
+    assert [r["name"] for r in decoded["requests"]] == [r["name"] for r in m["requests"]]
+    assert decoded["requests"][0]["shape"] == [3, 0, 2] and decoded["requests"][0]["group_size"] == 3
+    assert decoded["requests"][1]["root"] == 2 and decoded["requests"][2]["shape"] == []
+
+
+def test_malformed_messages_are_errors_not_crashes():
+    good = _core._encode_message(msg(req("a"), req("b")))
+    for cut in range(len(good)):
+        with pytest.raises(RuntimeError, match="malformed control message"):
+            _core._decode_message(good[:cut])
+    with pytest.raises(RuntimeError, match="trailing bytes"):
+        _core._decode_message(good + b"\0")
+    import random
+    rng = random.Random(0)
+    for _ in range(2000):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            _core._decode_message(bytes(data))
+        except RuntimeError as exc:
+            assert "malformed control message" in str(exc)
+
+
+def test_config_defaults_and_strict_parsing():
+    c = _core._parse_config({})
+    assert c["fusion_threshold_bytes"] == 64 * 1024 * 1024 and 0 < c["cycle_time_ms"] <= 5
+    c = _core._parse_config({"HVDLITE_FUSION_THRESHOLD": "1024", "HVDLITE_CYCLE_TIME": "2.5",
+                             "HVDLITE_LOG_LEVEL": "debug"})
+    assert c["fusion_threshold_bytes"] == 1024 and c["cycle_time_ms"] == 2.5 and c["log_level"] == 1
+    for var, value in [("HVDLITE_FUSION_THRESHOLD", "64MB"), ("HVDLITE_FUSION_THRESHOLD", "-1"),
+                       ("HVDLITE_CYCLE_TIME", "fast"), ("HVDLITE_CYCLE_TIME", "nan"),
+                       ("HVDLITE_LOG_LEVEL", "loud"), ("HVDLITE_STALL_CHECK_TIME_SECONDS", "1e999"),
+                       ("HVDLITE_IDLE_HEARTBEAT_MS", "0")]:
+        with pytest.raises(ValueError, match=f"invalid {var}='{value}'"):
+            _core._parse_config({var: value})
