@@ -16,5 +16,6 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   broadcast_async, broadcast_async_, grouped_allreduce, grouped_allreduce_,
                   grouped_allreduce_async, grouped_allreduce_async_, poll, synchronize)
 from .process_sets import ProcessSet, global_process_set
+from .sync_batch_norm import SyncBatchNorm
 
 __version__ = "0.1.0"
