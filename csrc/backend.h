@@ -25,6 +25,9 @@ class CollectiveBackend {
   virtual void Broadcast(at::Tensor& tensor, int root) = 0;
   // outputs[r] receives rank r's input; all have the input's size.
   virtual void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) = 0;
+  // Rows of dimension 0: input rows input_splits[r] go to rank r, output_splits[r] come from it.
+  virtual void Alltoall(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+                        std::vector<int64_t>& input_splits) = 0;
   virtual std::string name() const = 0;
 };
 

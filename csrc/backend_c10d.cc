@@ -37,6 +37,11 @@ class C10dBackend final : public CollectiveBackend {
     // Gloo writes into the tensors it was given, which alias `outputs`; nothing to copy back.
   }
 
+  void Alltoall(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+                std::vector<int64_t>& input_splits) override {
+    Finish(backend_->alltoall_base(output, input, output_splits, input_splits));
+  }
+
   std::string name() const override { return backend_->getBackendName(); }
 
  private:

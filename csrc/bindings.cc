@@ -50,9 +50,11 @@ std::unique_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
 std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Tensor>& inputs,
                              const std::vector<std::optional<at::Tensor>>& outputs,
                              const std::vector<std::string>& names, int op, int root,
-                             double prescale, double postscale, const std::string& group) {
+                             double prescale, double postscale, const std::string& group,
+                             const std::vector<std::vector<int64_t>>& splits) {
   if (kind < 0 || kind >= kNumCollectiveKinds || op < 0 || op > kMaxReduceOp ||
-      outputs.size() != inputs.size() || names.size() != inputs.size()) {
+      outputs.size() != inputs.size() || names.size() != inputs.size() ||
+      (!splits.empty() && splits.size() != inputs.size())) {
     Check(Status(StatusCode::kInternal, "malformed enqueue call"));
   }
   std::vector<EnqueueArgs> args(inputs.size());
@@ -66,6 +68,7 @@ std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Ten
     args[i].prescale = prescale;
     args[i].postscale = postscale;
     args[i].group = group;
+    if (!splits.empty()) args[i].splits = splits[i];
   }
   std::vector<int64_t> handles;
   Check(engine.Enqueue(std::move(args), &handles));
@@ -87,6 +90,7 @@ Request RequestFromDict(const py::dict& d) {
   r.shape = d.contains("shape") ? d["shape"].cast<std::vector<int64_t>>() : std::vector<int64_t>{};
   r.group = d.contains("group") ? d["group"].cast<std::string>() : "";
   r.group_size = d.contains("group_size") ? d["group_size"].cast<int>() : 0;
+  if (d.contains("splits")) r.splits = d["splits"].cast<std::vector<int64_t>>();
   return r;
 }
 
@@ -96,6 +100,10 @@ py::dict ItemToDict(const ReadyItem& item) {
   d["code"] = static_cast<int>(item.status.code());
   d["message"] = item.status.message();
   d["rank_dim0"] = item.rank_dim0;
+  d["rank_splits"] = item.rank_splits;
+  d["joined"] = item.joined;
+  d["contributors"] = item.contributors;
+  d["last_joined"] = item.last_joined;
   return d;
 }
 
@@ -178,6 +186,7 @@ py::dict DecodeMessage(const py::bytes& data) {
     d["shape"] = r.shape;
     d["group"] = r.group;
     d["group_size"] = r.group_size;
+    d["splits"] = r.splits;
     requests.append(d);
   }
   out["requests"] = requests;
@@ -234,8 +243,9 @@ PYBIND11_MODULE(_core, m) {
       .def("wait",
            [](Engine& engine, int64_t handle) {
              at::Tensor output;
-             Check(engine.Wait(handle, &output));
-             return output;
+             std::vector<int64_t> aux;
+             Check(engine.Wait(handle, &output, &aux));
+             return std::make_pair(output, aux);
            },
            py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::Shutdown, py::call_guard<py::gil_scoped_release>())

@@ -29,17 +29,17 @@ std::string Number(double value) {
 
 // If the ranks' values of one field differ, describes who has what:
 // "rank 0 has [17, 3]; ranks 1, 2 have [18, 3]".
-std::string DescribeDisagreement(const std::vector<Request>& by_rank,
+std::string DescribeDisagreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank,
                                  const std::function<std::string(const Request&)>& value_of) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;
-  for (int r = 0; r < static_cast<int>(by_rank.size()); ++r) {
-    std::string value = value_of(by_rank[r]);
+  for (size_t i = 0; i < by_rank.size(); ++i) {
+    std::string value = value_of(by_rank[i]);
     auto it = std::find_if(groups.begin(), groups.end(),
                            [&](const auto& g) { return g.first == value; });
     if (it == groups.end()) {
-      groups.push_back({value, {r}});
+      groups.push_back({value, {ranks[i]}});
     } else {
-      it->second.push_back(r);
+      it->second.push_back(ranks[i]);
     }
   }
   if (groups.size() == 1) return "";
@@ -51,12 +51,24 @@ std::string DescribeDisagreement(const std::vector<Request>& by_rank,
   return out.str();
 }
 
-bool IsReduction(CollectiveKind kind) { return kind == CollectiveKind::kAllreduce; }
+bool IsReduction(CollectiveKind kind) {
+  return kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter;
+}
+
+bool CarriesData(CollectiveKind kind) {
+  return kind != CollectiveKind::kBarrier && kind != CollectiveKind::kJoin;
+}
+
+// Kinds whose ranks may send different numbers of rows along dimension 0.
+bool RowsMayDiffer(CollectiveKind kind) {
+  return kind == CollectiveKind::kAllgather || kind == CollectiveKind::kAlltoall;
+}
 
 }  // namespace
 
-std::string CheckAgreement(const std::vector<Request>& by_rank) {
+std::string CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank) {
   const Request& first = by_rank.front();
+  const bool data = CarriesData(first.kind);
   const std::string prefix = std::string(KindName(first.kind)) + " of '" + first.name + "': ";
   struct Field {
     const char* what;
@@ -65,8 +77,8 @@ std::string CheckAgreement(const std::vector<Request>& by_rank) {
   };
   const std::vector<Field> fields = {
       {"operation", true, [](const Request& r) { return std::string(KindName(r.kind)); }},
-      {"device", true, [](const Request& r) { return DeviceName(r.device_type); }},
-      {"dtype", true, [](const Request& r) { return DtypeName(r.dtype); }},
+      {"device", data, [](const Request& r) { return DeviceName(r.device_type); }},
+      {"dtype", data, [](const Request& r) { return DtypeName(r.dtype); }},
       {"reduce op", IsReduction(first.kind),
        [](const Request& r) { return std::string(ReduceOpName(r.op)); }},
       {"root rank", first.kind == CollectiveKind::kBroadcast,
@@ -75,11 +87,11 @@ std::string CheckAgreement(const std::vector<Request>& by_rank) {
        [](const Request& r) { return Number(r.prescale); }},
       {"postscale factor", IsReduction(first.kind),
        [](const Request& r) { return Number(r.postscale); }},
-      {"shape", first.kind != CollectiveKind::kAllgather,
+      {"shape", data && !RowsMayDiffer(first.kind),
        [](const Request& r) { return ShapeString(r.shape); }},
-      {"number of dimensions", first.kind == CollectiveKind::kAllgather,
+      {"number of dimensions", RowsMayDiffer(first.kind),
        [](const Request& r) { return std::to_string(r.shape.size()); }},
-      {"shape beyond the first dimension", first.kind == CollectiveKind::kAllgather,
+      {"shape beyond the first dimension", RowsMayDiffer(first.kind),
        [](const Request& r) {
          return ShapeString(std::vector<int64_t>(r.shape.begin() + std::min<size_t>(1, r.shape.size()),
                                                  r.shape.end()));
@@ -92,7 +104,7 @@ std::string CheckAgreement(const std::vector<Request>& by_rank) {
   };
   for (const Field& field : fields) {
     if (!field.applies) continue;
-    std::string difference = DescribeDisagreement(by_rank, field.value_of);
+    std::string difference = DescribeDisagreement(ranks, by_rank, field.value_of);
     if (!difference.empty()) return prefix + field.what + " mismatch: " + difference;
   }
   return "";
@@ -101,7 +113,8 @@ std::string CheckAgreement(const std::vector<Request>& by_rank) {
 Controller::Controller(int size, double stall_check_seconds, double stall_shutdown_seconds)
     : size_(size),
       stall_check_ms_(static_cast<int64_t>(stall_check_seconds * 1000)),
-      stall_shutdown_ms_(static_cast<int64_t>(stall_shutdown_seconds * 1000)) {}
+      stall_shutdown_ms_(static_cast<int64_t>(stall_shutdown_seconds * 1000)),
+      joined_(size, false) {}
 
 RoundResult Controller::ProcessRound(const std::vector<RankMessage>& messages) {
   RoundResult result;
@@ -130,6 +143,8 @@ void Controller::Record(int rank, const Request& request, int64_t now_ms,
     pending.by_rank.resize(size_);
     pending.submitted.assign(size_, false);
     pending.first_seen_ms = now_ms;
+    pending.sequence = next_sequence_++;
+    arrival_.emplace(pending.sequence, request.name);
   }
   if (pending.submitted[rank]) {
     // The tensor queue refuses a name that is already in flight, so this is a bug.
@@ -144,22 +159,102 @@ void Controller::Record(int rank, const Request& request, int64_t now_ms,
   }
   pending.by_rank[rank] = request;
   pending.submitted[rank] = true;
-  if (++pending.count < size_) return;
-  ReadyItem item = MakeReady(request.name, pending);
-  pending_.erase(inserted.first);
+  ++pending.count;
+  if (request.kind == CollectiveKind::kJoin) {
+    joined_[rank] = true;
+    last_joined_ = rank;
+    // Names this rank had not submitted may now be complete (Note [Join]).
+    ReleaseCompleted(ready);
+    return;
+  }
+  if (!Complete(pending)) return;
+  ReadyItem item = MakeReady(pending);
+  Erase(request.name);
   Release(std::move(item), ready);
 }
 
-ReadyItem Controller::MakeReady(const std::string& name, Pending& pending) {
+bool Controller::Complete(const Pending& pending) const {
+  if (pending.count == size_) return true;
+  const Request& any = pending.by_rank[std::find(pending.submitted.begin(), pending.submitted.end(), true) -
+                                       pending.submitted.begin()];
+  if (any.kind == CollectiveKind::kJoin) return false;
+  for (int r = 0; r < size_; ++r) {
+    if (!pending.submitted[r] && !joined_[r]) return false;
+  }
+  return true;
+}
+
+void Controller::ReleaseCompleted(std::vector<ReadyItem>* ready) {
+  std::vector<std::string> complete;
+  for (const auto& [sequence, name] : arrival_) {
+    if (Complete(pending_.at(name))) complete.push_back(name);
+  }
+  for (const std::string& name : complete) {
+    ReadyItem item = MakeReady(pending_.at(name));
+    Erase(name);
+    Release(std::move(item), ready);
+  }
+}
+
+void Controller::Erase(const std::string& name) {
+  auto it = pending_.find(name);
+  if (it == pending_.end()) return;
+  arrival_.erase(it->second.sequence);
+  pending_.erase(it);
+}
+
+ReadyItem Controller::MakeReady(const Pending& pending) {
   ReadyItem item;
-  item.request = pending.by_rank.front();
-  std::string mismatch = CheckAgreement(pending.by_rank);
+  std::vector<int> ranks;
+  std::vector<Request> requests;
+  for (int r = 0; r < size_; ++r) {
+    if (pending.submitted[r]) {
+      ranks.push_back(r);
+      requests.push_back(pending.by_rank[r]);
+    } else {
+      item.joined.push_back(r);
+    }
+  }
+  item.request = requests.front();
+  item.contributors = static_cast<int>(ranks.size());
+  const Request& request = item.request;
+  const std::string subject = std::string(KindName(request.kind)) + " of '" + request.name + "': ";
+  std::string mismatch = CheckAgreement(ranks, requests);
   if (!mismatch.empty()) {
     item.status = Status(StatusCode::kMismatch, mismatch);
-  } else if (item.request.kind == CollectiveKind::kAllgather) {
-    for (const Request& r : pending.by_rank) item.rank_dim0.push_back(r.shape.empty() ? 1 : r.shape[0]);
+    return item;
   }
-  (void)name;
+  if (request.kind == CollectiveKind::kJoin) {
+    item.last_joined = last_joined_;
+    joined_.assign(size_, false);
+    last_joined_ = -1;
+  } else if (request.kind == CollectiveKind::kBroadcast &&
+             std::find(item.joined.begin(), item.joined.end(), request.root) != item.joined.end()) {
+    item.status = Status(StatusCode::kMismatch, subject + "root rank " + std::to_string(request.root) +
+                                                    " has already joined and has no tensor to send");
+  } else if (request.kind == CollectiveKind::kAllgather) {
+    for (int r = 0; r < size_; ++r) {
+      const auto& shape = pending.by_rank[r].shape;
+      item.rank_dim0.push_back(!pending.submitted[r] ? 0 : shape.empty() ? 1 : shape[0]);
+    }
+  } else if (request.kind == CollectiveKind::kAlltoall) {
+    for (int r = 0; r < size_; ++r) {
+      if (!pending.submitted[r]) {
+        item.rank_splits.emplace_back(size_, 0);
+        continue;
+      }
+      const Request& mine = pending.by_rank[r];
+      int64_t rows = 0;
+      for (int64_t n : mine.splits) rows += n;
+      if (static_cast<int>(mine.splits.size()) != size_ || mine.shape.empty() || rows != mine.shape[0]) {
+        item.status = Status(StatusCode::kMismatch,
+                             subject + "rank " + std::to_string(r) + " sent splits that do not cover " +
+                                 ShapeString(mine.shape) + " across " + std::to_string(size_) + " ranks");
+        return item;
+      }
+      item.rank_splits.push_back(mine.splits);
+    }
+  }
   return item;
 }
 
@@ -201,7 +296,13 @@ void Controller::InspectStalls(int64_t now_ms, RoundResult* result) {
                       (pending.warned_at_ms < 0 || now_ms - pending.warned_at_ms >= stall_check_ms_);
     if (!fail && !warn) continue;
     std::vector<int> missing, present;
-    for (int r = 0; r < size_; ++r) (pending.submitted[r] ? present : missing).push_back(r);
+    for (int r = 0; r < size_; ++r) {
+      if (pending.submitted[r]) {
+        present.push_back(r);
+      } else if (!joined_[r]) {
+        missing.push_back(r);
+      }
+    }
     const Request& any = pending.by_rank[present.front()];
     std::string line = std::string(KindName(any.kind)) + " '" + name + "' (waiting " +
                        std::to_string(waited / 1000) + " s): missing " + RanksString(missing) +
@@ -219,7 +320,7 @@ void Controller::InspectStalls(int64_t now_ms, RoundResult* result) {
       to_fail.push_back(name);
     }
   }
-  for (const std::string& name : to_fail) pending_.erase(name);
+  for (const std::string& name : to_fail) Erase(name);
   if (table.tellp() > 0) {
     result->stall_warning =
         "stall: some ranks have not submitted tensors that others are waiting on "

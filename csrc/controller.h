@@ -20,6 +20,15 @@
 //      field, the ranks and their values; a grouped operation fails as a whole;
 //   6. names pending past the stall deadlines produce a warning table, then kStall failures.
 // Called only from the background thread; no locking.
+//
+// Note [Join]
+// A rank that has run out of data calls join(). From the round in which its join request is
+// recorded until every rank has joined, that rank counts as having submitted every other name:
+// a name is ready once all ranks that have not joined requested it. The joined rank still runs
+// the collective, with a neutral input (zeros for sums, the op's identity for Min/Max/Product,
+// no rows for allgather and alltoall) and discards the result; averages divide by the number of
+// ranks that contributed. When the last rank joins, every rank's join completes, returning the
+// rank that joined last, and the joined set is cleared.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +43,12 @@
 namespace hvdlite {
 
 struct ReadyItem {
-  Request request;                 // the agreed request (rank 0's)
-  std::vector<int64_t> rank_dim0;  // allgather: every rank's first dimension
+  Request request;                 // the agreed request (the lowest submitting rank's)
+  std::vector<int64_t> rank_dim0;  // allgather: every rank's first dimension (0 if joined)
+  std::vector<std::vector<int64_t>> rank_splits;  // alltoall: [sender][receiver] rows
+  std::vector<int> joined;         // ranks that take part with a neutral input (Note [Join])
+  int contributors = 0;            // ranks that submitted it: averages divide by this
+  int last_joined = -1;            // join: the rank that joined last
   Status status;                   // not ok: this tensor fails on every rank with this status
 };
 
@@ -61,12 +74,17 @@ class Controller {
     std::vector<Request> by_rank;   // meaningful where submitted[r]
     std::vector<bool> submitted;
     int count = 0;
+    uint64_t sequence = 0;          // arrival order, for deterministic scans
     int64_t first_seen_ms = 0;      // rank 0's clock
     int64_t warned_at_ms = -1;
   };
 
   void Record(int rank, const Request& request, int64_t now_ms, std::vector<ReadyItem>* ready);
-  ReadyItem MakeReady(const std::string& name, Pending& pending);
+  bool Complete(const Pending& pending) const;
+  // Emits (and forgets) the pending names that are now complete, in arrival order.
+  void ReleaseCompleted(std::vector<ReadyItem>* ready);
+  void Erase(const std::string& name);
+  ReadyItem MakeReady(const Pending& pending);
   void Release(ReadyItem item, std::vector<ReadyItem>* ready);
   void InspectStalls(int64_t now_ms, RoundResult* result);
 
@@ -74,11 +92,15 @@ class Controller {
   int64_t stall_check_ms_;
   int64_t stall_shutdown_ms_;
   std::unordered_map<std::string, Pending> pending_;
+  std::map<uint64_t, std::string> arrival_;  // sequence -> name, for every pending name
+  uint64_t next_sequence_ = 0;
+  std::vector<bool> joined_;
+  int last_joined_ = -1;
   std::map<std::string, std::vector<ReadyItem>> held_groups_;
 };
 
-// Compares the requests every rank made for one name. Returns "" when they agree, else the
-// message for the mismatch error. Exposed for unit tests.
-std::string CheckAgreement(const std::vector<Request>& by_rank);
+// Compares the requests that `ranks` made for one name (by_rank[i] is ranks[i]'s). Returns ""
+// when they agree, else the message for the mismatch error. Exposed for unit tests.
+std::string CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
 
 }  // namespace hvdlite

@@ -58,6 +58,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     r.shape = a.input.sizes().vec();
     r.group = group;
     r.group_size = group.empty() ? 0 : static_cast<int32_t>(args.size());
+    r.splits = std::move(a.splits);
     if (!a.input.device().is_cpu()) {
       // Note [Device streams]: the input is ready once the caller's current stream gets here.
       c10::impl::VirtualGuardImpl impl(a.input.device().type());
@@ -84,7 +85,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
 
 Status Engine::Poll(int64_t handle, bool* done) { return handles_.Poll(handle, done); }
 
-Status Engine::Wait(int64_t handle, at::Tensor* output) {
+Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux) {
   Completion completion;
   Status status = handles_.Wait(handle, &completion);
   if (!status.ok()) return status;
@@ -96,6 +97,7 @@ Status Engine::Wait(int64_t handle, at::Tensor* output) {
     completion.done_event->block(impl.getStream(device));
   }
   *output = std::move(completion.output);
+  *aux = std::move(completion.aux);
   return Status::Ok();
 }
 
@@ -181,7 +183,7 @@ void Engine::Stop(const Status& status) {
   for (Entry& entry : remaining) {
     Status failed(status.code(), std::string(KindName(entry.request.kind)) + " of '" +
                                      entry.request.name + "': " + status.message());
-    handles_.Complete(entry.handle, Completion{failed, {}, nullptr});
+    handles_.Complete(entry.handle, Completion{failed, {}, nullptr, {}});
   }
   executor_.ReleaseBuffers();
   // `remaining` dies here, outside every lock (Note [GIL and tensor references]).

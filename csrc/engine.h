@@ -48,6 +48,7 @@ struct EnqueueArgs {
   double prescale = 1.0;
   double postscale = 1.0;
   std::string group;
+  std::vector<int64_t> splits;  // alltoall
 };
 
 class Engine {
@@ -62,7 +63,8 @@ class Engine {
   // All of `args` or none of them; a non-empty group name makes them one grouped operation.
   Status Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* handles);
   Status Poll(int64_t handle, bool* done);
-  Status Wait(int64_t handle, at::Tensor* output);
+  // `aux`: alltoall's received splits, join's last rank (else empty).
+  Status Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux);
   // Blocks until the background thread has stopped; idempotent.
   void Shutdown();
 

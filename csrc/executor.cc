@@ -1,10 +1,13 @@
 #include "executor.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 
 namespace hvdlite {
@@ -20,15 +23,15 @@ void Scale(at::Tensor& t, double factor) {
   }
 }
 
-// Average's division and the postscale factor, after the sum.
-void Postprocess(at::Tensor& t, bool average, int size, double postscale) {
+// Average's division (by the ranks that contributed) and the postscale factor, after the sum.
+void Postprocess(at::Tensor& t, bool average, int contributors, double postscale) {
   if (!average) {
     Scale(t, postscale);
   } else if (at::isFloatingType(t.scalar_type())) {
-    t.div_(size);
+    t.div_(contributors);
     if (postscale != 1.0) t.mul_(postscale);
   } else {
-    at::Tensor wide = t.to(at::kDouble).div_(size);
+    at::Tensor wide = t.to(at::kDouble).div_(contributors);
     if (postscale != 1.0) wide.mul_(postscale);
     t.copy_(wide);
   }
@@ -37,6 +40,42 @@ void Postprocess(at::Tensor& t, bool average, int size, double postscale) {
 // Views a flat slice with the entry's shape (0-d tensors have one element).
 at::Tensor Shaped(const at::Tensor& flat, int64_t offset, const at::Tensor& like) {
   return flat.narrow(0, offset, like.numel()).view(like.sizes());
+}
+
+// The value a joined rank contributes to a reduction: it changes nothing.
+at::Scalar Identity(ReduceOp op, c10::ScalarType dtype) {
+  const bool floating = at::isFloatingType(dtype);
+  auto highest = [&]() -> at::Scalar {
+    if (floating) return std::numeric_limits<double>::infinity();
+    switch (dtype) {
+      case at::kByte: return static_cast<int64_t>(std::numeric_limits<uint8_t>::max());
+      case at::kChar: return static_cast<int64_t>(std::numeric_limits<int8_t>::max());
+      case at::kInt: return static_cast<int64_t>(std::numeric_limits<int32_t>::max());
+      default: return std::numeric_limits<int64_t>::max();
+    }
+  };
+  auto lowest = [&]() -> at::Scalar {
+    if (floating) return -std::numeric_limits<double>::infinity();
+    switch (dtype) {
+      case at::kByte: return static_cast<int64_t>(0);
+      case at::kChar: return static_cast<int64_t>(std::numeric_limits<int8_t>::min());
+      case at::kInt: return static_cast<int64_t>(std::numeric_limits<int32_t>::min());
+      default: return std::numeric_limits<int64_t>::min();
+    }
+  };
+  switch (op) {
+    case ReduceOp::kMin: return highest();
+    case ReduceOp::kMax: return lowest();
+    case ReduceOp::kProduct: return 1;
+    default: return 0;
+  }
+}
+
+// Rows of dimension 0 that `rank` keeps in a reducescatter: as even as possible, the first
+// (rows % size) ranks get one more.
+std::pair<int64_t, int64_t> ScatterRange(int64_t rows, int rank, int size) {
+  const int64_t base = rows / size, extra = rows % size;
+  return {rank * base + std::min<int64_t>(rank, extra), base + (rank < extra ? 1 : 0)};
 }
 
 }  // namespace
@@ -59,28 +98,71 @@ c10::Stream Executor::EngineStream(c10::Device device) {
   return it->second;
 }
 
+Entry Executor::NeutralEntry(const ReadyItem& item) {
+  const Request& r = item.request;
+  const auto device_type = static_cast<c10::DeviceType>(r.device_type);
+  c10::Device device(device_type);
+  if (device_type != c10::DeviceType::CPU) device = c10::impl::VirtualGuardImpl(device_type).getDevice();
+  auto options = at::TensorOptions().device(device).dtype(static_cast<c10::ScalarType>(r.dtype));
+  std::vector<int64_t> shape = r.shape;
+  Entry entry;
+  entry.request = r;
+  if (r.kind == CollectiveKind::kAllgather || r.kind == CollectiveKind::kAlltoall) {
+    if (shape.empty()) shape.push_back(1);
+    shape[0] = 0;  // a joined rank sends no rows
+    entry.input = at::empty(shape, options);
+  } else if (r.kind == CollectiveKind::kAllreduce || r.kind == CollectiveKind::kReducescatter) {
+    entry.input = at::full(shape, Identity(r.op, options.dtype().toScalarType()), options);
+    entry.output = entry.input;
+  } else {
+    entry.input = at::empty(shape, options);
+    entry.output = entry.input;
+  }
+  return entry;
+}
+
+void Executor::Fail(std::vector<Local>& locals, const Status& status) {
+  for (Local& local : locals) {
+    if (!local.neutral) handles_->Complete(local.entry.handle, Completion{status, {}, nullptr, {}});
+  }
+}
+
 void Executor::Execute(const Batch& batch) {
   std::vector<Local> locals;
   for (const ReadyItem& item : batch.items) {
     Local local{&item, Entry()};
-    // A rank that never submitted a stalled tensor has no entry for it: nothing to complete.
-    if (!queue_->TakeEntry(item.request.name, &local.entry)) continue;
-    if (!item.status.ok()) {
-      handles_->Complete(local.entry.handle, Completion{item.status, at::Tensor(), nullptr});
+    if (!queue_->TakeEntry(item.request.name, &local.entry)) {
+      // No entry: either this rank has joined (it takes part with a neutral input), or it never
+      // submitted a tensor that stalled elsewhere (nothing to do).
+      const bool joined = std::find(item.joined.begin(), item.joined.end(), rank_) != item.joined.end();
+      if (!item.status.ok() || !joined) continue;
+      local.entry = NeutralEntry(item);
+      local.neutral = true;
+    } else if (!item.status.ok()) {
+      handles_->Complete(local.entry.handle, Completion{item.status, {}, nullptr, {}});
       continue;
     }
     locals.push_back(std::move(local));
   }
   if (locals.empty()) return;
 
+  const CollectiveKind kind = batch.items.front().request.kind;
+  if (kind == CollectiveKind::kBarrier || kind == CollectiveKind::kJoin) {
+    // Negotiation itself was the synchronization.
+    for (Local& local : locals) {
+      std::vector<int64_t> aux;
+      if (kind == CollectiveKind::kJoin) aux.push_back(local.item->last_joined);
+      handles_->Complete(local.entry.handle, Completion{Status::Ok(), {}, nullptr, std::move(aux)});
+    }
+    return;
+  }
+
   const c10::Device device = locals.front().entry.input.device();
   CollectiveBackend* backend = BackendFor(device);
   if (backend == nullptr) {
-    Status status(StatusCode::kInvalidArgument,
-                  std::string(KindName(locals.front().item->request.kind)) + " of '" +
-                      locals.front().item->request.name + "': no process group serves " +
-                      device.str() + " tensors in this job");
-    for (Local& local : locals) handles_->Complete(local.entry.handle, Completion{status, {}, nullptr});
+    Fail(locals, Status(StatusCode::kInvalidArgument,
+                        std::string(KindName(kind)) + " of '" + locals.front().item->request.name +
+                            "': no process group serves " + device.str() + " tensors in this job"));
     return;
   }
 
@@ -98,23 +180,11 @@ void Executor::Execute(const Batch& batch) {
   }
 
   try {
-    switch (batch.items.front().request.kind) {
-      case CollectiveKind::kAllreduce:
-        Allreduce(locals, backend);
-        break;
-      case CollectiveKind::kBroadcast:
-        Broadcast(locals, backend);
-        break;
-      case CollectiveKind::kAllgather:
-        locals.front().entry.output = Allgather(locals.front(), backend);
-        break;
-    }
+    Run(locals, backend);
   } catch (const std::exception& e) {
-    Status status(StatusCode::kRankFailure,
-                  std::string(KindName(locals.front().item->request.kind)) + " of '" +
-                      locals.front().item->request.name + "' failed in " + backend->name() +
-                      ": " + e.what());
-    for (Local& local : locals) handles_->Complete(local.entry.handle, Completion{status, {}, nullptr});
+    Fail(locals, Status(StatusCode::kRankFailure,
+                        std::string(KindName(kind)) + " of '" + locals.front().item->request.name +
+                            "' failed in " + backend->name() + ": " + e.what()));
     throw;
   }
 
@@ -129,41 +199,74 @@ void Executor::Execute(const Batch& batch) {
     }
   }
   for (Local& local : locals) {
-    handles_->Complete(local.entry.handle, Completion{Status::Ok(), local.entry.output, done_event});
+    if (local.neutral) continue;
+    handles_->Complete(local.entry.handle,
+                       Completion{Status::Ok(), local.entry.output, done_event, std::move(local.aux)});
   }
   // `locals` dies here, outside every lock (Note [GIL and tensor references]).
 }
 
-void Executor::Allreduce(std::vector<Local>& locals, CollectiveBackend* backend) {
-  const Request& request = locals.front().item->request;
+void Executor::Run(std::vector<Local>& locals, CollectiveBackend* backend) {
+  switch (locals.front().item->request.kind) {
+    case CollectiveKind::kAllreduce:
+    case CollectiveKind::kReducescatter:
+      Reduce(locals, backend);
+      return;
+    case CollectiveKind::kBroadcast:
+      Broadcast(locals, backend);
+      return;
+    case CollectiveKind::kAllgather:
+      Allgather(locals.front(), backend);
+      return;
+    case CollectiveKind::kAlltoall:
+      Alltoall(locals.front(), backend);
+      return;
+    default:
+      return;
+  }
+}
+
+void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
+  const ReadyItem& item = *locals.front().item;
+  const Request& request = item.request;
+  const bool scatter = request.kind == CollectiveKind::kReducescatter;
   const bool average = request.op == ReduceOp::kAverage;
   const ReduceOp wire_op = average ? ReduceOp::kSum : request.op;
   int64_t total = 0;
   for (Local& local : locals) total += local.entry.input.numel();
-  if (total == 0) return;
 
   Entry& first = locals.front().entry;
-  if (locals.size() == 1 && first.output.is_contiguous()) {
+  if (!scatter && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
     // One tensor: reduce straight in the output, no fusion buffer.
     if (!first.output.is_same(first.input)) first.output.copy_(first.input);
     Scale(first.output, request.prescale);
     backend->Allreduce(first.output, wire_op);
-    Postprocess(first.output, average, size_, request.postscale);
+    Postprocess(first.output, average, item.contributors, request.postscale);
     return;
   }
+  // Note [Reducescatter over Gloo]: a reducescatter reduces the whole (fused) buffer and keeps
+  // this rank's rows; it fuses like allreduce and handles uneven row counts.
   at::Tensor buffer = buffers_.Get(first.input.device(), first.input.scalar_type(), total);
   int64_t offset = 0;
   for (Local& local : locals) {
     Shaped(buffer, offset, local.entry.input).copy_(local.entry.input);
     offset += local.entry.input.numel();
   }
-  Scale(buffer, request.prescale);
-  backend->Allreduce(buffer, wire_op);
-  Postprocess(buffer, average, size_, request.postscale);
+  if (total > 0) {
+    Scale(buffer, request.prescale);
+    backend->Allreduce(buffer, wire_op);
+    Postprocess(buffer, average, item.contributors, request.postscale);
+  }
   offset = 0;
   for (Local& local : locals) {
-    local.entry.output.copy_(Shaped(buffer, offset, local.entry.output));
-    offset += local.entry.output.numel();
+    at::Tensor result = Shaped(buffer, offset, local.entry.input);
+    offset += local.entry.input.numel();
+    if (scatter) {
+      auto [start, rows] = ScatterRange(result.size(0), rank_, size_);
+      local.entry.output = result.narrow(0, start, rows).clone();
+    } else {
+      local.entry.output.copy_(result);
+    }
   }
 }
 
@@ -198,7 +301,7 @@ void Executor::Broadcast(std::vector<Local>& locals, CollectiveBackend* backend)
   }
 }
 
-at::Tensor Executor::Allgather(Local& local, CollectiveBackend* backend) {
+void Executor::Allgather(Local& local, CollectiveBackend* backend) {
   const std::vector<int64_t>& dims = local.item->rank_dim0;
   at::Tensor input = local.entry.input.dim() == 0 ? local.entry.input.view({1}) : local.entry.input;
   std::vector<int64_t> out_shape = input.sizes().vec();
@@ -211,7 +314,8 @@ at::Tensor Executor::Allgather(Local& local, CollectiveBackend* backend) {
   }
   out_shape[0] = total_rows;
   at::Tensor output = at::empty(out_shape, input.options().memory_format(at::MemoryFormat::Contiguous));
-  if (output.numel() == 0) return output;
+  local.entry.output = output;
+  if (output.numel() == 0) return;
 
   const int64_t slot = max_rows * row;
   const bool even = std::all_of(dims.begin(), dims.end(), [&](int64_t d) { return d == max_rows; });
@@ -231,7 +335,27 @@ at::Tensor Executor::Allgather(Local& local, CollectiveBackend* backend) {
       offset += dims[r] * row;
     }
   }
-  return output;
+}
+
+void Executor::Alltoall(Local& local, CollectiveBackend* backend) {
+  const auto& matrix = local.item->rank_splits;
+  std::vector<int64_t> send_splits = matrix[rank_];
+  std::vector<int64_t> receive_splits(size_);
+  int64_t moved = 0, received_rows = 0;
+  for (int s = 0; s < size_; ++s) {
+    receive_splits[s] = matrix[s][rank_];
+    received_rows += receive_splits[s];
+    for (int64_t n : matrix[s]) moved += n;
+  }
+  at::Tensor input = local.entry.input.contiguous();
+  std::vector<int64_t> out_shape = input.sizes().vec();
+  out_shape[0] = received_rows;
+  at::Tensor output = at::empty(out_shape, input.options().memory_format(at::MemoryFormat::Contiguous));
+  int64_t row = 1;
+  for (size_t d = 1; d < out_shape.size(); ++d) row *= out_shape[d];
+  if (moved > 0 && row > 0) backend->Alltoall(output, input, receive_splits, send_splits);
+  local.entry.output = output;
+  local.aux = std::move(receive_splits);
 }
 
 }  // namespace hvdlite

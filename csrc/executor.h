@@ -3,9 +3,10 @@
 // tensors' device type, copies results out, applies averaging and scale factors, and completes
 // the handles. Background thread only.
 //
-// A failed item (mismatch, stall) completes its handle with the item's status. A collective
-// that throws is not caught here: the engine treats it as fatal (Note [Fatal errors] in
-// engine.h), after completing this batch's handles with the error.
+// A failed item (mismatch, stall) completes its handle with the item's status. A rank that has
+// joined takes part in the others' collectives with a neutral input (Note [Join] in
+// controller.h). A collective that throws is not caught here: the engine treats it as fatal
+// (Note [Fatal errors] in engine.h), after completing this batch's handles with the error.
 #pragma once
 
 #include <c10/core/Stream.h>
@@ -33,11 +34,17 @@ class Executor {
   struct Local {
     const ReadyItem* item;
     Entry entry;
+    bool neutral = false;  // synthesized for a joined rank: nothing to complete
+    std::vector<int64_t> aux;
   };
   CollectiveBackend* BackendFor(c10::Device device);
-  void Allreduce(std::vector<Local>& locals, CollectiveBackend* backend);
+  Entry NeutralEntry(const ReadyItem& item);
+  void Reduce(std::vector<Local>& locals, CollectiveBackend* backend);
   void Broadcast(std::vector<Local>& locals, CollectiveBackend* backend);
-  at::Tensor Allgather(Local& local, CollectiveBackend* backend);
+  void Allgather(Local& local, CollectiveBackend* backend);
+  void Alltoall(Local& local, CollectiveBackend* backend);
+  void Run(std::vector<Local>& locals, CollectiveBackend* backend);
+  void Fail(std::vector<Local>& locals, const Status& status);
   c10::Stream EngineStream(c10::Device device);
 
   int rank_;

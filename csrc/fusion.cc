@@ -7,14 +7,17 @@ namespace hvdlite {
 namespace {
 
 bool Fusable(const ReadyItem& item) {
-  return item.status.ok() && (item.request.kind == CollectiveKind::kAllreduce ||
-                              item.request.kind == CollectiveKind::kBroadcast);
+  const CollectiveKind kind = item.request.kind;
+  return item.status.ok() && (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kBroadcast ||
+                              kind == CollectiveKind::kReducescatter);
 }
 
-bool SameBatchKey(const Request& a, const Request& b) {
+bool SameBatchKey(const ReadyItem& x, const ReadyItem& y) {
+  const Request& a = x.request;
+  const Request& b = y.request;
   return a.kind == b.kind && a.dtype == b.dtype && a.device_type == b.device_type &&
          a.op == b.op && a.root == b.root && a.prescale == b.prescale &&
-         a.postscale == b.postscale;
+         a.postscale == b.postscale && x.joined == y.joined;
 }
 
 }  // namespace
@@ -39,7 +42,7 @@ std::vector<Batch> PlanBatches(std::vector<ReadyItem> ready, int64_t threshold_b
     if (Fusable(item)) {
       for (auto it = open.rbegin(); it != open.rend(); ++it) {
         Batch& candidate = batches[*it];
-        if (SameBatchKey(candidate.items.front().request, item.request) &&
+        if (SameBatchKey(candidate.items.front(), item) &&
             candidate.bytes + bytes <= threshold_bytes) {
           target = &candidate;
           break;

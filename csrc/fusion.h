@@ -21,8 +21,8 @@ struct Batch {
   int64_t bytes = 0;
 };
 
-// Allreduces and broadcasts that agree on dtype, device type, op, root and scale factors are
-// fused up to threshold_bytes per batch (a tensor larger than the threshold gets a batch of its
+// Allreduces, reducescatters and broadcasts that agree on dtype, device type, op, root, scale
+// factors and joined ranks are fused up to threshold_bytes per batch (a tensor larger than the threshold gets a batch of its
 // own). Failed items and other kinds get a batch each. Batches are ordered by their first item.
 std::vector<Batch> PlanBatches(std::vector<ReadyItem> ready, int64_t threshold_bytes);
 

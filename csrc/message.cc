@@ -8,6 +8,7 @@ namespace {
 constexpr uint32_t kMagic = 0x48564c31;  // "HVL1": catches a peer speaking something else
 constexpr uint32_t kMaxNameBytes = 1u << 20;
 constexpr uint32_t kMaxDims = 64;
+constexpr uint32_t kMaxSplits = 1u << 20;
 constexpr uint32_t kMaxRequests = 1u << 24;
 
 class Writer {
@@ -101,8 +102,15 @@ bool ReadRequest(Reader& in, Request* r) {
   for (uint32_t d = 0; d < ndim; ++d) {
     if (!in.Get(&r->shape[d]) || r->shape[d] < 0) return false;
   }
-  return in.GetString(&r->group, kMaxNameBytes) && ValidUtf8(r->group) && in.Get(&r->group_size) &&
-         r->group_size >= 0;
+  uint32_t nsplits = 0;
+  if (!in.GetString(&r->group, kMaxNameBytes) || !ValidUtf8(r->group) || !in.Get(&r->group_size) ||
+      r->group_size < 0 || !in.Get(&nsplits) || nsplits > kMaxSplits)
+    return false;
+  r->splits.resize(nsplits);
+  for (uint32_t i = 0; i < nsplits; ++i) {
+    if (!in.Get(&r->splits[i]) || r->splits[i] < 0) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -110,7 +118,7 @@ bool ReadRequest(Reader& in, Request* r) {
 bool Request::operator==(const Request& o) const {
   return name == o.name && kind == o.kind && dtype == o.dtype && device_type == o.device_type &&
          op == o.op && root == o.root && prescale == o.prescale && postscale == o.postscale &&
-         shape == o.shape && group == o.group && group_size == o.group_size;
+         shape == o.shape && group == o.group && group_size == o.group_size && splits == o.splits;
 }
 
 std::string EncodeRankMessage(const RankMessage& message) {
@@ -132,6 +140,8 @@ std::string EncodeRankMessage(const RankMessage& message) {
     for (int64_t d : r.shape) out.Put<int64_t>(d);
     out.PutString(r.group);
     out.Put<int32_t>(r.group_size);
+    out.Put<uint32_t>(static_cast<uint32_t>(r.splits.size()));
+    for (int64_t n : r.splits) out.Put<int64_t>(n);
   }
   return out.Take();
 }

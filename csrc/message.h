@@ -30,6 +30,8 @@ struct Request {
   // atomically: it runs when every member is ready on every rank, or fails as a whole.
   std::string group;
   int32_t group_size = 0;
+  // alltoall: rows of dimension 0 sent to each rank (one entry per rank).
+  std::vector<int64_t> splits;
 
   bool operator==(const Request& other) const;
 };

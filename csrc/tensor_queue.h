@@ -67,6 +67,7 @@ struct Completion {
   Status status;
   at::Tensor output;
   std::shared_ptr<c10::Event> done_event;  // non-CPU: the output is ready after this event
+  std::vector<int64_t> aux;  // alltoall: rows received from each rank; join: the last rank
 };
 
 class HandleTable {

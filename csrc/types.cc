@@ -9,6 +9,10 @@ const char* KindName(CollectiveKind kind) {
     case CollectiveKind::kAllreduce: return "allreduce";
     case CollectiveKind::kAllgather: return "allgather";
     case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kAlltoall: return "alltoall";
+    case CollectiveKind::kReducescatter: return "reducescatter";
+    case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kJoin: return "join";
   }
   return "unknown collective";
 }

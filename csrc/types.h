@@ -12,8 +12,12 @@ enum class CollectiveKind : uint8_t {
   kAllreduce = 0,
   kAllgather = 1,
   kBroadcast = 2,
+  kAlltoall = 3,
+  kReducescatter = 4,
+  kBarrier = 5,  // no data: completes when every rank has reached it
+  kJoin = 6,     // no data: this rank has run out of work (Note [Join] in controller.h)
 };
-constexpr int kNumCollectiveKinds = 3;
+constexpr int kNumCollectiveKinds = 7;
 
 // Values match horovod.torch's constants so ported code that stores them keeps working.
 enum class ReduceOp : uint8_t {

@@ -112,7 +112,7 @@ def _submit(fn, kind, inputs, outputs, names, finish, op=Sum, root=0, prescale=1
             group=""):
     state = basics._current()
     _check_devices(fn, state, inputs)
-    core_handles = state.engine.enqueue(kind, inputs, outputs, names, op, root, prescale, postscale, group)
+    core_handles = state.engine.enqueue(kind, inputs, outputs, names, op, root, prescale, postscale, group, [])
     handle = next(state.handle_ids)
     state.handles[handle] = _Pending(state.engine, core_handles, finish)
     return handle
@@ -124,7 +124,11 @@ def _group_names(state, name, count):
 
 
 def _first(outputs):
-    return outputs[0]
+    return outputs[0][0]
+
+
+def _tensors(outputs):
+    return [tensor for tensor, _ in outputs]
 
 
 # ---- allreduce ---------------------------------------------------------------------------------
@@ -198,7 +202,7 @@ def _grouped_allreduce_submit(fn, tensors, in_place, average, name, op, prescale
     group, names = _group_names(state, _check_name(fn, name), len(tensors))
     outputs = list(tensors) if in_place else [
         torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    return _submit(fn, _ALLREDUCE, list(tensors), outputs, names, list, op=op, prescale=pre,
+    return _submit(fn, _ALLREDUCE, list(tensors), outputs, names, _tensors, op=op, prescale=pre,
                    postscale=post, group=group)
 
 
@@ -319,7 +323,7 @@ def synchronize(handle):
             outputs.append(pending.engine.wait(core_handle))
         except Exception as exc:  # wait for every member before raising the first failure
             error = error or exc
-            outputs.append(None)
+            outputs.append((None, None))
     if error is not None:
         raise error
     return pending.finish(outputs)
