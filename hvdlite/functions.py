@@ -1,0 +1,219 @@
+"""Helpers built on the collectives: broadcast model and optimizer state, exchange objects.
+
+Every function here is collective: each rank must call it, in the same order, with the same
+root. Tensors move through the engine's broadcast/allgather (fused into few rounds); Python
+objects are pickled into uint8 tensors.
+"""
+
+import collections.abc
+import io
+import pickle
+
+import torch
+
+from . import basics, ops
+
+
+def broadcast_parameters(params, root_rank):
+    """Overwrites, in place, every rank's tensors with ``root_rank``'s. Synchronizes.
+
+    ``params`` is a ``state_dict()`` (a mapping name -> tensor, taken in sorted name order) or
+    an iterable of (name, tensor) pairs such as ``model.named_parameters()``. All tensors are
+    submitted at once, so the engine fuses them into as few broadcasts as it can.
+    """
+    if isinstance(params, collections.abc.Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, collections.abc.Iterable):
+        items = list(params)
+    else:
+        raise ValueError("broadcast_parameters: expected a state_dict or (name, tensor) pairs, "
+                         f"got {type(params).__name__}")
+    root = ops._check_root("broadcast_parameters", root_rank, basics.size())
+    seen, direct, pickled = set(), [], []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError("broadcast_parameters: expected (name, tensor) pairs, got "
+                             f"{item!r:.80}")
+        name, tensor = item
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: '{name}' is a {type(tensor).__name__}, "
+                            "expected a tensor")
+        if name in seen:
+            raise ValueError(f"broadcast_parameters: the name '{name}' appears twice")
+        seen.add(name)
+        (direct if _engine_carries(tensor) else pickled).append((name, tensor.detach()))
+    handles = [ops.broadcast_async_(t, root, name=f"broadcast_parameters.{name}")
+               for name, t in direct]
+    _wait_all(handles)
+    if pickled:  # dtypes the engine does not carry (bool, int16, complex, sparse): by value
+        values = broadcast_object({n: t.cpu() for n, t in pickled} if basics.rank() == root else None,
+                                  root, name="broadcast_parameters.pickled")
+        with torch.no_grad():
+            for name, t in pickled:
+                t.copy_(values[name])
+
+
+def broadcast_optimizer_state(optimizer, root_rank):
+    """Makes every rank's optimizer state and hyperparameters equal to ``root_rank``'s, in
+    place. Synchronizes.
+
+    Works when only the root has state (for example after loading a checkpoint there): the
+    other ranks build the same state entries from the root's description and receive their
+    values; no optimizer step is taken, so step counts are exactly the root's. When no rank has
+    state yet, nothing but the (equal) hyperparameters is exchanged. Hyperparameters of every
+    param group (``lr``, ``momentum``, ``betas``, ...) are set to the root's; state entries the
+    root does not have are removed. ``optimizer`` may be a ``DistributedOptimizer``.
+    """
+    root = ops._check_root("broadcast_optimizer_state", root_rank, basics.size())
+    is_root = basics.rank() == root
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    layout = [len(group["params"]) for group in optimizer.param_groups]
+    shapes = [tuple(p.shape) for p in params]
+    description = _describe_state(optimizer, params) if is_root else None
+    description = broadcast_object(description, root, name="broadcast_optimizer_state.layout")
+
+    problem = None
+    if description["layout"] != layout or description["shapes"] != shapes:
+        problem = (f"its optimizer has param groups of sizes {layout} (shapes {shapes}) while "
+                   f"root {root} has {description['layout']} (shapes {description['shapes']})")
+    problems = allgather_object(problem, name="broadcast_optimizer_state.check")
+    bad = [(r, msg) for r, msg in enumerate(problems) if msg]
+    if bad:
+        raise ValueError("broadcast_optimizer_state: rank " + "; rank ".join(
+            f"{r}: {msg}" for r, msg in bad))
+
+    handles = []
+    for index, entry in description["state"].items():
+        p = params[index]
+        if not is_root:
+            optimizer.state[p] = _build_entry(optimizer.state.get(p, {}), entry, p)
+        for key, spec in entry.items():
+            if spec[0] == "tensor":
+                handles.append(ops.broadcast_async_(
+                    optimizer.state[p][key], root, name=f"broadcast_optimizer_state.{index}.{key}"))
+    if not is_root:
+        keep = {params[i] for i in description["state"]}
+        for p in params:
+            if p not in keep and p in optimizer.state:
+                del optimizer.state[p]
+        for group, hyper in zip(optimizer.param_groups, description["hyper"]):
+            for key, value in hyper.items():
+                _set_hyperparameter(group, key, value)
+    _wait_all(handles)
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Returns ``root_rank``'s ``obj`` on every rank (pickled; the root gets its own object
+    back). Synchronizes: the size goes first, then the bytes."""
+    root = ops._check_root("broadcast_object", root_rank, basics.size())
+    name = name or "broadcast_object"
+    if basics.rank() == root:
+        payload = _to_bytes(obj)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    ops.broadcast_(length, root, name=name + ".size")
+    if basics.rank() != root:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    ops.broadcast_(payload, root, name=name + ".bytes")
+    return obj if basics.rank() == root else _from_bytes(payload)
+
+
+def allgather_object(obj, name=None):
+    """Returns the list of every rank's ``obj``, in rank order (pickled). Synchronizes."""
+    name = name or "allgather_object"
+    payload = _to_bytes(obj)
+    h_sizes = ops.allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
+                                  name=name + ".sizes")
+    h_bytes = ops.allgather_async(payload, name=name + ".bytes")
+    sizes, data = _wait_all([h_sizes, h_bytes])
+    result, start = [], 0
+    for size in sizes.tolist():
+        result.append(_from_bytes(data[start:start + size]))
+        start += size
+    return result
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def _engine_carries(tensor):
+    return tensor.layout == torch.strided and tensor.dtype in ops._SUPPORTED_DTYPES
+
+
+def _wait_all(handles):
+    """Waits for every handle, then raises the first failure; returns the results."""
+    results, error = [], None
+    for h in handles:
+        try:
+            results.append(ops.synchronize(h))
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def _to_bytes(obj):
+    buffer = io.BytesIO()
+    pickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(tensor):
+    return pickle.loads(tensor.numpy().tobytes())
+
+
+def _describe_state(optimizer, params):
+    """The root's state as a picklable description: tensors by shape/dtype/place (their values
+    travel by broadcast), everything else by value."""
+    state = {}
+    for index, p in enumerate(params):
+        entry = optimizer.state.get(p)
+        if not entry:
+            continue
+        described = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and _engine_carries(value):
+                described[key] = ("tensor", tuple(value.shape), value.dtype,
+                                  value.device == p.device)
+            elif isinstance(value, torch.Tensor):
+                described[key] = ("value", value.detach().cpu(), value.device.type != "cpu")
+            else:
+                described[key] = ("value", value, False)
+        state[index] = described
+    hyper = [{k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+              for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"layout": [len(g["params"]) for g in optimizer.param_groups],
+            "shapes": [tuple(p.shape) for p in params], "state": state, "hyper": hyper}
+
+
+def _build_entry(existing, described, p):
+    """A non-root rank's state entry for ``p`` in the root's layout; tensors that already have
+    the right shape, dtype and place are reused (their values are overwritten by broadcast)."""
+    entry = {}
+    for key, spec in described.items():
+        if spec[0] == "tensor":
+            _, shape, dtype, on_param_device = spec
+            device = p.device if on_param_device else torch.device("cpu")
+            old = existing.get(key)
+            if (isinstance(old, torch.Tensor) and tuple(old.shape) == shape and old.dtype == dtype
+                    and old.device == device):
+                entry[key] = old
+            else:
+                entry[key] = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            _, value, on_param_device = spec
+            entry[key] = value.to(p.device) if on_param_device else value
+    return entry
+
+
+def _set_hyperparameter(group, key, value):
+    current = group.get(key)
+    if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) \
+            and current.shape == value.shape:
+        with torch.no_grad():
+            current.copy_(value)  # keep tensor hyperparameters (capturable lr) in place
+    else:
+        group[key] = value
