@@ -37,13 +37,33 @@ _RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 @dataclasses.dataclass
+class _SetRuntime:
+    """One process set's engine, as seen from this rank (engine None: not a member)."""
+    ranks: list     # global ranks, sorted
+    engine: object  # _core.Engine or None
+    groups: tuple   # keeps the process groups alive as long as the engine
+    rank: int       # this rank's index in `ranks` (-1 when not a member)
+    name_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def size(self):
+        return len(self.ranks)
+
+
+@dataclasses.dataclass
 class _State:
     topology: _environment.Topology
-    engine: object  # _core.Engine
-    groups: tuple   # keeps the process groups alive as long as the engine
+    store: object
+    prefix: str
+    loopback: bool
+    sets: dict      # process set id -> _SetRuntime; 0 is the global set
     handles: dict = dataclasses.field(default_factory=dict)
     handle_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
-    group_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
+    set_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def engine(self):
+        return self.sets[0].engine
 
 
 _state = None
@@ -94,29 +114,29 @@ def _nccl_group(store, rank, size):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def _create_groups(topology, rendezvous):
-    """Returns (control, cpu data, cuda data or None) c10d backends."""
-    generation = next(_generation)
+def _rendezvous(topology, rendezvous):
+    """Returns (store, key prefix, loopback) shared by every engine of this init()."""
+    prefix = f"hvdlite/{next(_generation)}/"
     if dist.is_initialized():
         # The user's own init_process_group: build ours beside it, from the same store.
-        if dist.get_world_size() != topology.size and topology.source != "single":
+        if dist.get_world_size() != topology.size:
             raise ValueError(
                 f"hvdlite.init(): torch.distributed was initialized with world size "
                 f"{dist.get_world_size()}, but the environment ({topology.source}) says {topology.size}")
-        store = dist.distributed_c10d._get_default_store()
-        rank, size = dist.get_rank(), dist.get_world_size()
-        loopback = False
-    elif topology.size == 1:
-        store, rank, size, loopback = dist.HashStore(), 0, 1, True
-    else:
-        store = _store_for(rendezvous, topology)
-        rank, size = topology.rank, topology.size
-        loopback = _is_loopback(rendezvous.addr)
-    prefix = f"hvdlite/{generation}/"
-    control = _gloo_group(dist.PrefixStore(prefix + "control", store), rank, size, loopback)
-    cpu = _gloo_group(dist.PrefixStore(prefix + "cpu", store), rank, size, loopback)
-    cuda = _nccl_group(dist.PrefixStore(prefix + "cuda", store), rank, size)
-    return control, cpu, cuda, rank, size
+        return dist.distributed_c10d._get_default_store(), prefix, False
+    if topology.size == 1:
+        return dist.HashStore(), prefix, True
+    return _store_for(rendezvous, topology), prefix, _is_loopback(rendezvous.addr)
+
+
+def _start_engine(state_like, tag, rank, size):
+    """Creates the process groups of one engine (over `size` ranks) and starts it."""
+    store, prefix, loopback = state_like
+    base = f"{prefix}{tag}/"
+    control = _gloo_group(dist.PrefixStore(base + "control", store), rank, size, loopback)
+    cpu = _gloo_group(dist.PrefixStore(base + "cpu", store), rank, size, loopback)
+    cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
+    return _core.Engine(control, cpu, cuda, rank, size), (control, cpu, cuda)
 
 
 def init(comm=None, process_sets=None):
@@ -133,27 +153,34 @@ def init(comm=None, process_sets=None):
     if comm is not None:
         raise ValueError("hvdlite.init(): comm= (an MPI communicator) is not supported; "
                          "hvdlite reads the launcher's environment instead")
-    if process_sets is not None:
-        raise ValueError("hvdlite.init(): process_sets= is not supported yet")
     with _lock:
         if _state is not None:
             return
         topology, rendezvous = _environment.detect()
         if dist.is_initialized() and topology.source == "single":
             topology = dataclasses.replace(topology, rank=dist.get_rank(), size=dist.get_world_size(),
+                                           local_size=dist.get_world_size(), local_rank=dist.get_rank(),
                                            source="torch.distributed")
-        control, cpu, cuda, rank, size = _create_groups(topology, rendezvous)
-        engine = _core.Engine(control, cpu, cuda, rank, size)
-        _state = _State(topology=topology, engine=engine, groups=(control, cpu, cuda))
+        store, prefix, loopback = _rendezvous(topology, rendezvous)
+        engine, groups = _start_engine((store, prefix, loopback), "global", topology.rank, topology.size)
+        sets = {0: _SetRuntime(list(range(topology.size)), engine, groups, topology.rank)}
+        _state = _State(topology=topology, store=store, prefix=prefix, loopback=loopback, sets=sets)
         if not _atexit_registered:
             # Exiting with work in flight and no shutdown can abort the process; see
             # Note [Interpreter exit] in docs/design.md.
             atexit.register(shutdown)
             _atexit_registered = True
+    if process_sets:
+        from .process_sets import add_process_set
+        for process_set in process_sets:
+            add_process_set(process_set)
 
 
 def shutdown():
     """Stops hvdlite on this rank, and with it on every rank (shutdown is negotiated).
+
+    Synchronizes loosely: the other ranks' engines stop at their next negotiation round, and
+    their pending and later operations fail with ``ShutdownError`` naming this rank.
 
     Operations still pending fail with ``ShutdownError``. Safe to call more than once.
     """
@@ -161,7 +188,10 @@ def shutdown():
     with _lock:
         state, _state = _state, None
     if state is not None:
-        state.engine.shutdown()
+        # Process sets first: their engines negotiate shutdown among their members only.
+        for set_id in sorted(state.sets, reverse=True):
+            if state.sets[set_id].engine is not None:
+                state.sets[set_id].engine.shutdown()
 
 
 def is_initialized():

@@ -1,9 +1,11 @@
-"""Collective operations: synchronous, asynchronous, in-place and grouped forms.
+"""Collective operations on handles: the asynchronous and in-place forms, barrier and join.
 
-Every function here enqueues work for the native engine and returns at once (the ``_async``
-forms) or waits for it (the others). The engine's background thread negotiates with the other
-ranks, fuses and runs the collective; waiting releases the GIL. Every collective synchronizes
-with the other ranks that submit the same name: all of them must call it.
+Every function here enqueues work for the native engine of the chosen process set and returns
+at once (``_async`` forms, returning a handle for ``poll()`` / ``synchronize()``) or waits for
+it. The engine's background thread negotiates with the other ranks, fuses and runs the
+collective; waiting releases the GIL. Every collective synchronizes with the other ranks of its
+process set, which must all submit it. The differentiable synchronous forms (``allreduce``,
+``allgather``, ...) live in ``differentiable.py``.
 
 Names: operations with the same ``name`` on different ranks are matched together. Unnamed
 operations get a generated name from a per-process counter, so they match by call order; when
@@ -16,7 +18,7 @@ import numbers
 import torch
 
 from . import basics
-from .compression import Compression
+from .process_sets import global_process_set
 
 # Reduce ops, with horovod.torch's values.
 Average = 0
@@ -28,7 +30,7 @@ Product = 5
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 # Collective kinds of csrc/types.h.
-_ALLREDUCE, _ALLGATHER, _BROADCAST = 0, 1, 2
+_ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER, _BARRIER, _JOIN = range(7)
 
 # The dtypes the Gloo backend carries; NCCL carries the same for CUDA tensors.
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
@@ -39,10 +41,12 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64
 class _Pending:
     engine: object
     core_handles: list
-    finish: object  # list of engine outputs -> the value synchronize() returns
+    finish: object  # list of (tensor, aux) from the engine -> what synchronize() returns
 
 
-def _check_tensor(fn, tensor, what="tensor"):
+# ---- argument checks: local mistakes raise TypeError / ValueError at the call -------------------
+
+def _check_tensor(fn, tensor, what="tensor", min_dim=0):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{fn}: expected a torch.Tensor for '{what}', got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
@@ -54,6 +58,17 @@ def _check_tensor(fn, tensor, what="tensor"):
                         f"which hvdlite does not support; supported: {supported}")
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{fn}: '{what}' is on {tensor.device}; hvdlite supports cpu and cuda tensors")
+    if tensor.dim() < min_dim:
+        raise ValueError(f"{fn}: '{what}' must have at least {min_dim} dimension(s), got a "
+                         f"{tensor.dim()}-d tensor")
+
+
+def _check_tensors(fn, tensors, min_dim=0):
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise TypeError(f"{fn}: expected a non-empty list of tensors, got {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        _check_tensor(fn, t, f"tensors[{i}]", min_dim)
+    return list(tensors)
 
 
 def _check_name(fn, name):
@@ -71,55 +86,69 @@ def _check_scale(fn, arg, value):
     return value
 
 
-def _resolve_op(fn, average, op):
+def _resolve_op(fn, average, op, allowed=(Average, Sum, Min, Max, Product)):
     if average is not None:
         if op is not None:
             raise ValueError(f"{fn}: pass either op= or the deprecated average=, not both")
         return Average if average else Sum
     if op is None:
         return Average
-    if isinstance(op, bool) or op not in _OP_NAMES:
-        raise ValueError(f"{fn}: op must be one of hvdlite.Average, Sum, Min, Max, Product; got {op!r}")
-    if op == Adasum:
+    if op == Adasum and not isinstance(op, bool):
         raise ValueError(f"{fn}: op=Adasum is not supported by hvdlite")
+    if isinstance(op, bool) or op not in allowed:
+        names = ", ".join(_OP_NAMES[o] for o in allowed)
+        raise ValueError(f"{fn}: op must be one of {names}; got {op!r}")
     return op
 
 
-def _check_process_set(fn, process_set):
-    from .process_sets import global_process_set
-    if process_set is not None and process_set is not global_process_set:
-        raise ValueError(f"{fn}: only the global process set is supported so far")
-
-
-def _check_root(fn, root_rank, size):
+def _check_root(fn, root_rank, runtime):
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
         raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
-    if not 0 <= root_rank < size:
-        raise ValueError(f"{fn}: root_rank {root_rank} is out of range for a job of {size} ranks")
-    return int(root_rank)
+    if runtime.size == basics.size() and runtime.ranks == list(range(runtime.size)):
+        if not 0 <= root_rank < runtime.size:
+            raise ValueError(f"{fn}: root_rank {root_rank} is out of range for a job of {runtime.size} ranks")
+        return int(root_rank)
+    if root_rank not in runtime.ranks:
+        raise ValueError(f"{fn}: root_rank {root_rank} is not in the process set {runtime.ranks}")
+    return runtime.ranks.index(root_rank)
 
 
-def _check_devices(fn, state, tensors):
-    devices = {t.device.type for t in tensors}
-    if "cuda" in devices and state.groups[2] is None:
+def _runtime(fn, process_set):
+    """The engine of `process_set` on this rank, or a clear error."""
+    state = basics._current()
+    if process_set is None or process_set is global_process_set:
+        return state, state.sets[0]
+    set_id = getattr(process_set, "process_set_id", "not a ProcessSet")
+    if set_id == "not a ProcessSet":
+        raise TypeError(f"{fn}: process_set must be a hvdlite.ProcessSet, got {type(process_set).__name__}")
+    runtime = state.sets.get(set_id)
+    if runtime is None:
+        raise ValueError(f"{fn}: {process_set!r} has not been added; call hvdlite.add_process_set() "
+                         "on every rank first")
+    if runtime.engine is None:
+        raise ValueError(f"{fn}: rank {state.topology.rank} is not in {process_set!r}")
+    return state, runtime
+
+
+def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=0, prescale=1.0,
+            postscale=1.0, group="", splits=()):
+    state, runtime = _runtime(fn, process_set)
+    devices = {t.device.type for t in inputs}
+    if "cuda" in devices and runtime.groups[2] is None:
         raise ValueError(f"{fn}: CUDA tensors need an NCCL process group, and this job has none "
                          "(torch.cuda.is_available() was False at hvdlite.init())")
     if len(devices) > 1:
         raise ValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
-
-
-def _submit(fn, kind, inputs, outputs, names, finish, op=Sum, root=0, prescale=1.0, postscale=1.0,
-            group=""):
-    state = basics._current()
-    _check_devices(fn, state, inputs)
-    core_handles = state.engine.enqueue(kind, inputs, outputs, names, op, root, prescale, postscale, group, [])
+    core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale, postscale,
+                                          group, list(splits))
     handle = next(state.handle_ids)
-    state.handles[handle] = _Pending(state.engine, core_handles, finish)
+    state.handles[handle] = _Pending(runtime.engine, core_handles, finish)
     return handle
 
 
-def _group_names(state, name, count):
-    group = name or f"hvdlite.group.{next(state.group_ids)}"
+def _group_names(fn, process_set, name, count):
+    _, runtime = _runtime(fn, process_set)
+    group = name or f"hvdlite.group.{next(runtime.name_ids)}"
     return group, [f"{group}.{i}" for i in range(count)]
 
 
@@ -131,171 +160,233 @@ def _tensors(outputs):
     return [tensor for tensor, _ in outputs]
 
 
+def _contiguous_like(tensor):
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
 # ---- allreduce ---------------------------------------------------------------------------------
 
-def _allreduce_submit(fn, tensor, output, average, name, op, prescale_factor, postscale_factor,
-                      process_set, finish=_first):
-    _check_tensor(fn, tensor)
-    _check_process_set(fn, process_set)
+def _allreduce(fn, tensors, in_place, average, name, op, prescale_factor, postscale_factor,
+               process_set, grouped):
     op = _resolve_op(fn, average, op)
     pre = _check_scale(fn, "prescale_factor", prescale_factor)
     post = _check_scale(fn, "postscale_factor", postscale_factor)
-    if output is None:
-        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _submit(fn, _ALLREDUCE, [tensor], [output], [_check_name(fn, name)], finish, op=op,
+    name = _check_name(fn, name)
+    outputs = list(tensors) if in_place else [_contiguous_like(t) for t in tensors]
+    if grouped:
+        group, names = _group_names(fn, process_set, name, len(tensors))
+        return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, names, _tensors, op=op,
+                       prescale=pre, postscale=post, group=group)
+    return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, [name], _first, op=op,
                    prescale=pre, postscale=post)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=None):
-    """Starts reducing ``tensor`` over all ranks (``op``, default Average) into a new tensor.
+                    postscale_factor=1.0, process_set=global_process_set):
+    """Starts reducing ``tensor`` over the process set (``op``, default Average) into a new tensor.
 
-    Returns a handle for ``poll()`` / ``synchronize()``; the input must not change until then.
-    Synchronizes with every rank (each must submit the same name).
+    Returns a handle; the input must not change until ``synchronize()``. Every rank of the set
+    must submit it. Integer averages truncate toward zero.
     """
-    return _allreduce_submit("allreduce_async", tensor, None, average, name, op, prescale_factor,
-                             postscale_factor, process_set)
-
-
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=None):
-    """Reduces ``tensor`` over all ranks and returns the result (a new tensor).
-
-    ``op`` is Average (default), Sum, Min, Max or Product; ``prescale_factor`` multiplies the
-    input before the reduction and ``postscale_factor`` the result after it. Integer averages
-    truncate toward zero. ``compression`` casts on the wire (see ``Compression``).
-    Synchronizes with every rank.
-    """
-    _check_tensor("allreduce", tensor)
-    compressed, ctx = compression.compress(tensor)
-    handle = _allreduce_submit("allreduce", compressed, None, average, name, op, prescale_factor,
-                               postscale_factor, process_set)
-    return compression.decompress(synchronize(handle), ctx)
+    _check_tensor("allreduce_async", tensor)
+    return _allreduce("allreduce_async", [tensor], False, average, name, op, prescale_factor,
+                      postscale_factor, process_set, grouped=False)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=None):
+                     postscale_factor=1.0, process_set=global_process_set):
     """In-place ``allreduce_async``: the result is written into ``tensor``."""
     _check_tensor("allreduce_async_", tensor)
-    return _allreduce_submit("allreduce_async_", tensor, tensor, average, name, op, prescale_factor,
-                             postscale_factor, process_set)
+    return _allreduce("allreduce_async_", [tensor], True, average, name, op, prescale_factor,
+                      postscale_factor, process_set, grouped=False)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0, process_set=None):
-    """In-place ``allreduce``: reduces into ``tensor`` and returns it. Synchronizes."""
+               postscale_factor=1.0, process_set=global_process_set):
+    """In-place allreduce: reduces into ``tensor`` and returns it. Synchronizes."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set))
 
 
-def _grouped_allreduce_submit(fn, tensors, in_place, average, name, op, prescale_factor,
-                              postscale_factor, process_set):
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise TypeError(f"{fn}: expected a non-empty list of tensors, got {type(tensors).__name__}")
-    for i, t in enumerate(tensors):
-        _check_tensor(fn, t, f"tensors[{i}]")
-    _check_process_set(fn, process_set)
-    op = _resolve_op(fn, average, op)
-    pre = _check_scale(fn, "prescale_factor", prescale_factor)
-    post = _check_scale(fn, "postscale_factor", postscale_factor)
-    state = basics._current()
-    group, names = _group_names(state, _check_name(fn, name), len(tensors))
-    outputs = list(tensors) if in_place else [
-        torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    return _submit(fn, _ALLREDUCE, list(tensors), outputs, names, _tensors, op=op, prescale=pre,
-                   postscale=post, group=group)
-
-
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=None):
-    """Starts one allreduce for a list of tensors, negotiated and fused as a unit.
-
-    ``synchronize()`` on the handle returns the list of results. Synchronizes with every rank.
+                            postscale_factor=1.0, process_set=global_process_set):
+    """Starts one allreduce for a list of tensors, negotiated and fused as a unit: it runs when
+    every member is ready on every rank, or fails as a whole. ``synchronize()`` returns the list.
     """
-    return _grouped_allreduce_submit("grouped_allreduce_async", tensors, False, average, name, op,
-                                     prescale_factor, postscale_factor, process_set)
-
-
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
-    """Reduces a list of tensors as one fused operation and returns the list of results."""
-    if isinstance(tensors, (list, tuple)):
-        for i, t in enumerate(tensors):
-            _check_tensor("grouped_allreduce", t, f"tensors[{i}]")
-        pairs = [compression.compress(t) for t in tensors]
-        sent = [p[0] for p in pairs]
-    else:
-        pairs, sent = None, tensors
-    results = synchronize(_grouped_allreduce_submit(
-        "grouped_allreduce", sent, False, average, name, op, prescale_factor, postscale_factor,
-        process_set))
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, pairs)]
+    tensors = _check_tensors("grouped_allreduce_async", tensors)
+    return _allreduce("grouped_allreduce_async", tensors, False, average, name, op,
+                      prescale_factor, postscale_factor, process_set, grouped=True)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=None):
+                             postscale_factor=1.0, process_set=global_process_set):
     """In-place ``grouped_allreduce_async``."""
-    return _grouped_allreduce_submit("grouped_allreduce_async_", tensors, True, average, name, op,
-                                     prescale_factor, postscale_factor, process_set)
+    tensors = _check_tensors("grouped_allreduce_async_", tensors)
+    return _allreduce("grouped_allreduce_async_", tensors, True, average, name, op,
+                      prescale_factor, postscale_factor, process_set, grouped=True)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0, process_set=None):
-    """In-place ``grouped_allreduce``; returns the (same) tensors. Synchronizes."""
+                       postscale_factor=1.0, process_set=global_process_set):
+    """In-place grouped allreduce; returns the (same) tensors. Synchronizes."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
 
 
 # ---- allgather ---------------------------------------------------------------------------------
 
-def allgather_async(tensor, name=None, process_set=None):
-    """Starts concatenating every rank's ``tensor`` along dimension 0 (rank order).
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    """Starts concatenating every rank's ``tensor`` along dimension 0, in rank order.
 
     The first dimension may differ between ranks; the others must agree. A 0-d tensor counts
-    as one row. Synchronizes with every rank.
+    as one row. Every rank of the set must submit it.
     """
     _check_tensor("allgather_async", tensor)
-    _check_process_set("allgather_async", process_set)
-    return _submit("allgather_async", _ALLGATHER, [tensor], [None],
+    return _submit("allgather_async", process_set, _ALLGATHER, [tensor], [None],
                    [_check_name("allgather_async", name)], _first)
 
 
-def allgather(tensor, name=None, process_set=None):
-    """Concatenation of every rank's ``tensor`` along dimension 0. Synchronizes."""
-    _check_tensor("allgather", tensor)
-    _check_process_set("allgather", process_set)
-    return synchronize(_submit("allgather", _ALLGATHER, [tensor], [None],
-                               [_check_name("allgather", name)], _first))
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Starts an allgather of each tensor in a list, negotiated as a unit."""
+    tensors = _check_tensors("grouped_allgather_async", tensors)
+    group, names = _group_names("grouped_allgather_async", process_set,
+                                _check_name("grouped_allgather_async", name), len(tensors))
+    return _submit("grouped_allgather_async", process_set, _ALLGATHER, tensors, [None] * len(tensors),
+                   names, _tensors, group=group)
 
 
 # ---- broadcast ---------------------------------------------------------------------------------
 
-def _broadcast_submit(fn, tensor, root_rank, name, process_set, in_place):
+def _broadcast(fn, tensor, root_rank, name, process_set, in_place):
     _check_tensor(fn, tensor)
-    _check_process_set(fn, process_set)
-    root = _check_root(fn, root_rank, basics.size())
-    output = tensor if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _submit(fn, _BROADCAST, [tensor], [output], [_check_name(fn, name)], _first, root=root)
+    _, runtime = _runtime(fn, process_set)
+    root = _check_root(fn, root_rank, runtime)
+    output = tensor if in_place else _contiguous_like(tensor)
+    return _submit(fn, process_set, _BROADCAST, [tensor], [output], [_check_name(fn, name)], _first,
+                   root=root)
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=None):
-    """Starts copying ``root_rank``'s ``tensor`` to every rank, into a new tensor."""
-    return _broadcast_submit("broadcast_async", tensor, root_rank, name, process_set, False)
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Starts copying ``root_rank``'s ``tensor`` to every rank of the set, into a new tensor."""
+    return _broadcast("broadcast_async", tensor, root_rank, name, process_set, False)
 
 
-def broadcast(tensor, root_rank, name=None, process_set=None):
-    """Returns ``root_rank``'s ``tensor`` on every rank (a new tensor). Synchronizes."""
-    return synchronize(_broadcast_submit("broadcast", tensor, root_rank, name, process_set, False))
-
-
-def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """In-place ``broadcast_async``: ``tensor`` is overwritten with the root's."""
-    return _broadcast_submit("broadcast_async_", tensor, root_rank, name, process_set, True)
+    return _broadcast("broadcast_async_", tensor, root_rank, name, process_set, True)
 
 
-def broadcast_(tensor, root_rank, name=None, process_set=None):
-    """In-place ``broadcast``; returns ``tensor``. Synchronizes."""
-    return synchronize(_broadcast_submit("broadcast_", tensor, root_rank, name, process_set, True))
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """In-place broadcast; returns ``tensor``. Synchronizes."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ---- alltoall ----------------------------------------------------------------------------------
+
+def _check_splits(fn, tensor, splits, size):
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"{fn}: without splits, dimension 0 ({rows}) must divide evenly over "
+                             f"{size} ranks")
+        return [rows // size] * size
+    if isinstance(splits, torch.Tensor):
+        if splits.is_floating_point() or splits.dim() != 1:
+            raise ValueError(f"{fn}: splits must be a 1-d integer tensor or a list of ints")
+        splits = splits.tolist()
+    try:
+        values = [int(s) for s in splits]
+        if any(isinstance(s, bool) or int(s) != s for s in splits):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"{fn}: splits must be a list of ints, got {splits!r}") from None
+    if len(values) != size:
+        raise ValueError(f"{fn}: splits has {len(values)} entries but the process set has {size} ranks")
+    if any(v < 0 for v in values):
+        raise ValueError(f"{fn}: splits must not be negative, got {values}")
+    if sum(values) != rows:
+        raise ValueError(f"{fn}: splits sum to {sum(values)} but dimension 0 of the tensor is {rows}")
+    return values
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Starts sending ``splits[r]`` rows of ``tensor`` (dimension 0, in order) to rank r and
+    receiving every rank's rows for this rank, concatenated in rank order.
+
+    Without ``splits`` dimension 0 is divided evenly. ``synchronize()`` returns
+    ``(output, received_splits)`` when ``splits`` was given, else the output.
+    """
+    fn = "alltoall_async"
+    _check_tensor(fn, tensor, min_dim=1)
+    _, runtime = _runtime(fn, process_set)
+    values = _check_splits(fn, tensor, splits, runtime.size)
+    if splits is None:
+        finish = _first
+    else:
+        def finish(outputs):
+            output, received = outputs[0]
+            return output, torch.tensor(received, dtype=torch.int32)
+    return _submit(fn, process_set, _ALLTOALL, [tensor], [None], [_check_name(fn, name)], finish,
+                   splits=[values])
+
+
+# ---- reducescatter -----------------------------------------------------------------------------
+
+def _reducescatter(fn, tensors, name, op, prescale_factor, postscale_factor, process_set, grouped):
+    op = _resolve_op(fn, None, op, allowed=(Average, Sum))
+    pre = _check_scale(fn, "prescale_factor", prescale_factor)
+    post = _check_scale(fn, "postscale_factor", postscale_factor)
+    name = _check_name(fn, name)
+    if grouped:
+        group, names = _group_names(fn, process_set, name, len(tensors))
+        return _submit(fn, process_set, _REDUCESCATTER, tensors, [None] * len(tensors), names,
+                       _tensors, op=op, prescale=pre, postscale=post, group=group)
+    return _submit(fn, process_set, _REDUCESCATTER, tensors, [None], [name], _first, op=op,
+                   prescale=pre, postscale=post)
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0):
+    """Starts reducing ``tensor`` over the set (Average or Sum) and keeping this rank's rows.
+
+    Dimension 0 is split as evenly as possible, the first ``rows % size`` ranks getting one row
+    more. Every rank of the set must submit it with the same shape.
+    """
+    _check_tensor("reducescatter_async", tensor, min_dim=1)
+    return _reducescatter("reducescatter_async", [tensor], name, op, prescale_factor,
+                          postscale_factor, process_set, grouped=False)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    """Starts a reducescatter of each tensor in a list, negotiated and fused as a unit."""
+    tensors = _check_tensors("grouped_reducescatter_async", tensors, min_dim=1)
+    return _reducescatter("grouped_reducescatter_async", tensors, name, op, prescale_factor,
+                          postscale_factor, process_set, grouped=True)
+
+
+# ---- barrier and join --------------------------------------------------------------------------
+
+def barrier(process_set=global_process_set):
+    """Blocks until every rank of the process set has called ``barrier()``."""
+    _, runtime = _runtime("barrier", process_set)
+    name = f"hvdlite.barrier.{next(runtime.name_ids)}"
+    synchronize(_submit("barrier", process_set, _BARRIER, [torch.empty(0)], [None], [name], _first))
+
+
+def join(device=-1):
+    """Declares that this rank has no more data; returns the rank that joined last.
+
+    Until every rank has joined, a joined rank keeps taking part in the other ranks'
+    collectives: it contributes zeros to sums (the op's identity to Min, Max and Product), no
+    rows to allgather and alltoall, and averages divide by the number of ranks that actually
+    contributed, so a gradient average over uneven data is the average over the ranks that had
+    data. A broadcast whose root has joined fails. Blocks until all ranks have joined.
+    ``device`` is accepted for horovod.torch compatibility and ignored.
+    """
+    handle = _submit("join", None, _JOIN, [torch.empty(0)], [None], ["hvdlite.join"],
+                     lambda outputs: int(outputs[0][1][0]))
+    return synchronize(handle)
 
 
 # ---- handles -----------------------------------------------------------------------------------

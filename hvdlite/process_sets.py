@@ -1,19 +1,101 @@
 """Process sets: subsets of ranks that run collectives among themselves.
 
-So far only the global process set (every rank) exists; collectives accept
-``process_set=global_process_set`` (the default) for horovod.torch compatibility.
+Every collective takes ``process_set=`` (default: the global set of all ranks). Each added set
+gets its own engine, with its own negotiation and process groups, so sets progress
+independently: a collective in one set never waits for another set's traffic.
+
+``add_process_set`` and ``remove_process_set`` synchronize every rank of the job: call them on
+all ranks, in the same order, with the same ranks, also on ranks outside the set.
 """
+
+from . import basics
 
 
 class ProcessSet:
-    """A set of ranks. ``ranks`` is None for the global set (all ranks)."""
+    """A set of ranks; ``ranks`` is None for the global set (every rank)."""
 
     def __init__(self, ranks=None):
-        self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
+        if ranks is None:
+            self.ranks = None
+        else:
+            try:
+                ranks = [int(r) for r in ranks]
+            except (TypeError, ValueError):
+                raise TypeError(f"ProcessSet: ranks must be a sequence of ints, got {ranks!r}") from None
+            if not ranks:
+                raise ValueError("ProcessSet: a process set needs at least one rank")
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"ProcessSet: ranks {ranks} contain duplicates")
+            self.ranks = sorted(ranks)
         self.process_set_id = 0 if ranks is None else None
 
+    def _runtime(self):
+        state = basics._current()
+        if self.process_set_id is None or self.process_set_id not in state.sets:
+            raise ValueError(f"{self!r} has not been added: call hvdlite.add_process_set() on every rank")
+        return state.sets[self.process_set_id]
+
+    def size(self):
+        """Number of ranks in the set."""
+        return self._runtime().size
+
+    def rank(self):
+        """This rank's index within the set, or -1 if it is not a member."""
+        return self._runtime().rank
+
+    def included(self):
+        """True if this rank belongs to the set."""
+        return self._runtime().rank >= 0
+
     def __repr__(self):
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet(ranks={self.ranks})"
+        if self.ranks is None:
+            return "ProcessSet(global)"
+        return f"ProcessSet(ranks={self.ranks})"
 
 
 global_process_set = ProcessSet()
+
+
+def add_process_set(process_set):
+    """Registers a process set (a ProcessSet or a list of ranks) and returns it.
+
+    Synchronizes every rank of the job; members start the set's engine.
+    """
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    state = basics._current()
+    if process_set.ranks is None:
+        raise ValueError("add_process_set: the global process set always exists")
+    if process_set.process_set_id is not None and process_set.process_set_id in state.sets:
+        raise ValueError(f"add_process_set: {process_set!r} was already added")
+    size = state.topology.size
+    bad = [r for r in process_set.ranks if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"add_process_set: ranks {bad} are outside a job of {size} ranks")
+    set_id = next(state.set_ids)
+    me = state.topology.rank
+    engine, groups, rank = None, (), -1
+    if me in process_set.ranks:
+        rank = process_set.ranks.index(me)
+        engine, groups = basics._start_engine((state.store, state.prefix, state.loopback),
+                                              f"set{set_id}", rank, len(process_set.ranks))
+    state.sets[set_id] = basics._SetRuntime(list(process_set.ranks), engine, groups, rank)
+    process_set.process_set_id = set_id
+    return process_set
+
+
+def remove_process_set(process_set):
+    """Stops a process set's engine (members' pending operations fail) and forgets the set.
+
+    Returns True if the set was registered. Call it on every rank.
+    """
+    state = basics._current()
+    if process_set.ranks is None:
+        raise ValueError("remove_process_set: the global process set cannot be removed")
+    runtime = state.sets.pop(process_set.process_set_id, None)
+    if runtime is None:
+        return False
+    if runtime.engine is not None:
+        runtime.engine.shutdown()
+    process_set.process_set_id = None
+    return True

@@ -67,7 +67,7 @@ def _global_stats(x, process_set):
                                    correction=0)
         local[0, 1:channels + 1] = mean
         local[0, channels + 1:] = var.to(torch.float64) * count
-    gathered = ops.allgather(local, process_set=process_set)
+    gathered = ops.synchronize(ops.allgather_async(local, process_set=process_set))
     counts = gathered[:, :1]
     means = gathered[:, 1:channels + 1]
     m2s = gathered[:, channels + 1:]
@@ -110,7 +110,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if need_x:
             local = torch.cat([sum_dy, sum_dy_xhat]).to(torch.float64)
-            summed = ops.allreduce(local, op=ops.Sum, process_set=ctx.process_set)
+            summed = ops.synchronize(ops.allreduce_async(local, op=ops.Sum, process_set=ctx.process_set))
             glob_dy, glob_dy_xhat = (summed / ctx.total).to(dtype).chunk(2)
             scale = invstd if weight is None else invstd * weight.to(dtype)
             grad_x = _per_channel(scale, dy) * (

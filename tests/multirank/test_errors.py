@@ -118,7 +118,7 @@ def _local_mistakes():
         hvd.grouped_allreduce([])
     # the public API names group members uniquely; the engine still refuses duplicates
     with pytest.raises(ValueError, match="appears twice"):
-        hvd.ops._submit("x", 0, [torch.ones(1), torch.ones(1)], [torch.ones(1), torch.ones(1)],
+        hvd.ops._submit("x", None, 0, [torch.ones(1), torch.ones(1)], [torch.ones(1), torch.ones(1)],
                         ["same", "same"], hvd.ops._tensors, group="g")
     # the same name twice in flight on one rank
     h = hvd.allreduce_async(torch.ones(2), name="busy")

@@ -1,0 +1,199 @@
+"""The synchronous, out-of-place collectives, differentiable with torch.autograd.
+
+Each forward runs the collective through ``ops`` and waits for it; each backward is itself a
+collective, so every rank of the process set must run backward through the same collectives
+in the same order (as data-parallel training does). The gradients:
+
+- allreduce: the same allreduce (op and scale factors) of the incoming gradient;
+- allgather: this rank's rows of the summed incoming gradient;
+- broadcast: the average of the incoming gradients on the root, zero elsewhere;
+- alltoall: the incoming gradient sent back along the received splits;
+- reducescatter: the allgather of the incoming gradient, scaled as the forward was.
+"""
+
+import torch
+
+from . import basics, ops
+from .compression import Compression
+from .process_sets import global_process_set
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, pre, post, process_set):
+        ctx.args = (op, pre, post, process_set)
+        return ops.synchronize(ops.allreduce_async(tensor.detach(), None, name, op, pre, post,
+                                                   process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, pre, post, process_set = ctx.args
+        reduced = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None, op, pre, post,
+                                                      process_set))
+        return reduced, None, None, None, None, None
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, pre, post, process_set, *tensors):
+        ctx.args = (op, pre, post, process_set)
+        return tuple(ops.synchronize(ops.grouped_allreduce_async(
+            [t.detach() for t in tensors], None, name, op, pre, post, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, process_set = ctx.args
+        reduced = ops.synchronize(ops.grouped_allreduce_async(
+            [g.contiguous() for g in grads], None, None, op, pre, post, process_set))
+        return (None,) * 5 + tuple(reduced)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.process_set = process_set
+        ctx.shape = tensor.shape
+        # The rows every rank sent, to find this rank's slice of the gradient.
+        rows = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64)
+        ctx.rows = ops.synchronize(ops.allgather_async(rows, None, process_set)).tolist()
+        return ops.synchronize(ops.allgather_async(tensor.detach(), name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None, ops.Sum, 1.0, 1.0,
+                                                     ctx.process_set))
+        _, runtime = ops._runtime("allgather", ctx.process_set)
+        start = sum(ctx.rows[:runtime.rank])
+        return summed.narrow(0, start, ctx.rows[runtime.rank]).reshape(ctx.shape), None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.args = (root_rank, process_set)
+        return ops.synchronize(ops.broadcast_async(tensor.detach(), root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        root_rank, process_set = ctx.args
+        averaged = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None, ops.Average,
+                                                       1.0, 1.0, process_set))
+        if basics.rank() != root_rank:
+            averaged = torch.zeros_like(averaged)
+        return averaged, None, None, None
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        ctx.process_set = process_set
+        output, received = ops.synchronize(ops.alltoall_async(tensor.detach(), splits, name, process_set))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _received_grad):
+        back, _ = ops.synchronize(ops.alltoall_async(grad.contiguous(), ctx.received, None,
+                                                     ctx.process_set))
+        return back, None, None, None
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, pre, post, process_set):
+        ctx.args = (op, pre, post, process_set)
+        return ops.synchronize(ops.reducescatter_async(tensor.detach(), name, op, process_set, pre, post))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, pre, post, process_set = ctx.args
+        gathered = ops.synchronize(ops.allgather_async(grad.contiguous(), None, process_set))
+        scale = pre * post
+        if op == ops.Average:
+            scale /= ops._runtime("reducescatter", process_set)[1].size
+        return gathered * scale, None, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduces ``tensor`` over the process set and returns the result (a new tensor).
+
+    ``op`` is Average (default), Sum, Min, Max or Product; ``prescale_factor`` multiplies the
+    input before the reduction and ``postscale_factor`` the result after it. Integer averages
+    truncate toward zero. ``compression`` casts on the wire. Differentiable. Synchronizes.
+    """
+    ops._check_tensor("allreduce", tensor)
+    op = ops._resolve_op("allreduce", average, op)
+    compressed, ctx = compression.compress(tensor)
+    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, ctx)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduces a list of tensors as one fused operation; returns the list. Differentiable."""
+    tensors = ops._check_tensors("grouped_allreduce", tensors)
+    op = ops._resolve_op("grouped_allreduce", average, op)
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                   *[p[0] for p in pairs])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenation of every rank's ``tensor`` along dimension 0 (dimension 0 may differ).
+
+    Differentiable. Synchronizes.
+    """
+    ops._check_tensor("allgather", tensor)
+    if not tensor.requires_grad:
+        return ops.synchronize(ops.allgather_async(tensor, name, process_set))
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather of each tensor in a list, negotiated as a unit; returns the list."""
+    return ops.synchronize(ops.grouped_allgather_async(tensors, name, process_set))
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Returns ``root_rank``'s ``tensor`` on every rank (a new tensor). Differentiable."""
+    ops._check_tensor("broadcast", tensor)
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Sends ``splits[r]`` rows of ``tensor`` to rank r; returns the rows received, in rank
+    order, and also the received splits (an int32 tensor) when ``splits`` is given.
+
+    Without ``splits``, dimension 0 is divided evenly. Differentiable. Synchronizes.
+    """
+    ops._check_tensor("alltoall", tensor, min_dim=1)
+    if splits is not None:
+        return _Alltoall.apply(tensor, splits, name, process_set)
+    _, runtime = ops._runtime("alltoall", process_set)
+    even = ops._check_splits("alltoall", tensor, None, runtime.size)
+    output, _ = _Alltoall.apply(tensor, even, name, process_set)
+    return output
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=ops.Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces ``tensor`` over the set (Average or Sum) and returns this rank's rows of the
+    result; dimension 0 is split as evenly as possible. Differentiable. Synchronizes.
+    """
+    ops._check_tensor("reducescatter", tensor, min_dim=1)
+    compressed, ctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=ops.Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reducescatter of each tensor in a list, negotiated and fused as a unit; returns the list."""
+    tensors = ops._check_tensors("grouped_reducescatter", tensors, min_dim=1)
+    pairs = [compression.compress(t) for t in tensors]
+    outs = ops.synchronize(ops.grouped_reducescatter_async(
+        [p[0] for p in pairs], name, op, process_set, prescale_factor, postscale_factor))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
