@@ -7,14 +7,20 @@ objects are pickled into uint8 tensors.
 
 import collections.abc
 import io
+import numbers
 import pickle
 
 import torch
 
 from . import basics, ops
+from .process_sets import global_process_set
+
+# What the engine's broadcast carries; other tensors (bool, int16, complex, sparse) are pickled.
+_CARRIED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
+                   torch.int8, torch.int32, torch.int64)
 
 
-def broadcast_parameters(params, root_rank):
+def broadcast_parameters(params, root_rank, process_set=global_process_set):
     """Overwrites, in place, every rank's tensors with ``root_rank``'s. Synchronizes.
 
     ``params`` is a ``state_dict()`` (a mapping name -> tensor, taken in sorted name order) or
@@ -28,7 +34,7 @@ def broadcast_parameters(params, root_rank):
     else:
         raise ValueError("broadcast_parameters: expected a state_dict or (name, tensor) pairs, "
                          f"got {type(params).__name__}")
-    root = ops._check_root("broadcast_parameters", root_rank, basics.size())
+    root = _check_root("broadcast_parameters", root_rank)
     seen, direct, pickled = set(), [], []
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -44,18 +50,19 @@ def broadcast_parameters(params, root_rank):
             raise ValueError(f"broadcast_parameters: the name '{name}' appears twice")
         seen.add(name)
         (direct if _engine_carries(tensor) else pickled).append((name, tensor.detach()))
-    handles = [ops.broadcast_async_(t, root, name=f"broadcast_parameters.{name}")
-               for name, t in direct]
+    handles = [ops.broadcast_async_(t, root, name=f"broadcast_parameters.{name}",
+                                    process_set=process_set) for name, t in direct]
     _wait_all(handles)
     if pickled:  # dtypes the engine does not carry (bool, int16, complex, sparse): by value
         values = broadcast_object({n: t.cpu() for n, t in pickled} if basics.rank() == root else None,
-                                  root, name="broadcast_parameters.pickled")
+                                  root, name="broadcast_parameters.pickled",
+                                  process_set=process_set)
         with torch.no_grad():
             for name, t in pickled:
                 t.copy_(values[name])
 
 
-def broadcast_optimizer_state(optimizer, root_rank):
+def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_set):
     """Makes every rank's optimizer state and hyperparameters equal to ``root_rank``'s, in
     place. Synchronizes.
 
@@ -66,20 +73,22 @@ def broadcast_optimizer_state(optimizer, root_rank):
     param group (``lr``, ``momentum``, ``betas``, ...) are set to the root's; state entries the
     root does not have are removed. ``optimizer`` may be a ``DistributedOptimizer``.
     """
-    root = ops._check_root("broadcast_optimizer_state", root_rank, basics.size())
+    root = _check_root("broadcast_optimizer_state", root_rank)
     is_root = basics.rank() == root
     params = [p for group in optimizer.param_groups for p in group["params"]]
     layout = [len(group["params"]) for group in optimizer.param_groups]
     shapes = [tuple(p.shape) for p in params]
     description = _describe_state(optimizer, params) if is_root else None
-    description = broadcast_object(description, root, name="broadcast_optimizer_state.layout")
+    description = broadcast_object(description, root, name="broadcast_optimizer_state.layout",
+                                   process_set=process_set)
 
     problem = None
     if description["layout"] != layout or description["shapes"] != shapes:
         problem = (f"its optimizer has param groups of sizes {layout} (shapes {shapes}) while "
                    f"root {root} has {description['layout']} (shapes {description['shapes']})")
-    problems = allgather_object(problem, name="broadcast_optimizer_state.check")
-    bad = [(r, msg) for r, msg in enumerate(problems) if msg]
+    problems = allgather_object((basics.rank(), problem), name="broadcast_optimizer_state.check",
+                                process_set=process_set)
+    bad = [(r, msg) for r, msg in problems if msg]
     if bad:
         raise ValueError("broadcast_optimizer_state: rank " + "; rank ".join(
             f"{r}: {msg}" for r, msg in bad))
@@ -92,7 +101,8 @@ def broadcast_optimizer_state(optimizer, root_rank):
         for key, spec in entry.items():
             if spec[0] == "tensor":
                 handles.append(ops.broadcast_async_(
-                    optimizer.state[p][key], root, name=f"broadcast_optimizer_state.{index}.{key}"))
+                    optimizer.state[p][key], root, name=f"broadcast_optimizer_state.{index}.{key}",
+                    process_set=process_set))
     if not is_root:
         keep = {params[i] for i in description["state"]}
         for p in params:
@@ -104,30 +114,31 @@ def broadcast_optimizer_state(optimizer, root_rank):
     _wait_all(handles)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Returns ``root_rank``'s ``obj`` on every rank (pickled; the root gets its own object
     back). Synchronizes: the size goes first, then the bytes."""
-    root = ops._check_root("broadcast_object", root_rank, basics.size())
+    root = _check_root("broadcast_object", root_rank)
     name = name or "broadcast_object"
     if basics.rank() == root:
         payload = _to_bytes(obj)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    ops.broadcast_(length, root, name=name + ".size")
+    ops.broadcast_(length, root, name=name + ".size", process_set=process_set)
     if basics.rank() != root:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    ops.broadcast_(payload, root, name=name + ".bytes")
+    ops.broadcast_(payload, root, name=name + ".bytes", process_set=process_set)
     return obj if basics.rank() == root else _from_bytes(payload)
 
 
-def allgather_object(obj, name=None):
-    """Returns the list of every rank's ``obj``, in rank order (pickled). Synchronizes."""
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Returns the list of every rank's ``obj`` (of every rank in ``process_set``), in rank
+    order (pickled). Synchronizes."""
     name = name or "allgather_object"
     payload = _to_bytes(obj)
     h_sizes = ops.allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
-                                  name=name + ".sizes")
-    h_bytes = ops.allgather_async(payload, name=name + ".bytes")
+                                  name=name + ".sizes", process_set=process_set)
+    h_bytes = ops.allgather_async(payload, name=name + ".bytes", process_set=process_set)
     sizes, data = _wait_all([h_sizes, h_bytes])
     result, start = [], 0
     for size in sizes.tolist():
@@ -138,8 +149,17 @@ def allgather_object(obj, name=None):
 
 # ---- helpers -----------------------------------------------------------------------------------
 
+def _check_root(fn, root_rank):
+    if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
+        raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
+    if not 0 <= root_rank < basics.size():
+        raise ValueError(f"{fn}: root_rank {root_rank} is out of range for a job of "
+                         f"{basics.size()} ranks")
+    return int(root_rank)
+
+
 def _engine_carries(tensor):
-    return tensor.layout == torch.strided and tensor.dtype in ops._SUPPORTED_DTYPES
+    return tensor.layout == torch.strided and tensor.dtype in _CARRIED_DTYPES
 
 
 def _wait_all(handles):

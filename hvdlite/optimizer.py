@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from . import basics, ops
+from . import ops
 from .compression import Compression
 from .process_sets import global_process_set
 
@@ -85,7 +85,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("DistributedOptimizer: the optimizer is already a DistributedOptimizer")
         _check_options(op, gradient_predivide_factor, backward_passes_per_step, compression)
-        ops._check_process_set("DistributedOptimizer", process_set)
+        process_set = global_process_set if process_set is None else process_set
         self._optimizer = optimizer
         self._compression = compression
         self._op = op
@@ -93,7 +93,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes_per_step = int(backward_passes_per_step)
         self._sparse_as_dense = bool(sparse_as_dense)
         self._process_set = process_set
-        self._communicate = basics.size() > 1
+        self._size = process_set.size()
+        self._communicate = self._size > 1
 
         self._given_names = _named_parameter_map(named_parameters)
         self._names = {}            # parameter -> allreduce name
@@ -360,7 +361,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         h_indices = ops.allgather_async(grad.indices().t().contiguous(), name=name + ".indices",
                                         process_set=self._process_set)
         h_values = ops.allgather_async(values, name=name + ".values", process_set=self._process_set)
-        scale = 1.0 / basics.size() if self._op == ops.Average else 1.0
+        scale = 1.0 / self._size if self._op == ops.Average else 1.0
         compression, shape = self._compression, grad.shape
 
         def finish(_result):
