@@ -315,6 +315,7 @@ void Executor::Allgather(Local& local, CollectiveBackend* backend) {
   out_shape[0] = total_rows;
   at::Tensor output = at::empty(out_shape, input.options().memory_format(at::MemoryFormat::Contiguous));
   local.entry.output = output;
+  local.aux = dims;  // the differentiable allgather slices its gradient with these
   if (output.numel() == 0) return;
 
   const int64_t slot = max_rows * row;
@@ -353,7 +354,11 @@ void Executor::Alltoall(Local& local, CollectiveBackend* backend) {
   at::Tensor output = at::empty(out_shape, input.options().memory_format(at::MemoryFormat::Contiguous));
   int64_t row = 1;
   for (size_t d = 1; d < out_shape.size(); ++d) row *= out_shape[d];
-  if (moved > 0 && row > 0) backend->Alltoall(output, input, receive_splits, send_splits);
+  if (moved > 0 && row > 0) {
+    // c10d may move from the split vectors it is given: hand it copies.
+    std::vector<int64_t> output_splits = receive_splits;
+    backend->Alltoall(output, input, output_splits, send_splits);
+  }
   local.entry.output = output;
   local.aux = std::move(receive_splits);
 }

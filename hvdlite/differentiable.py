@@ -53,10 +53,10 @@ class _Allgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.process_set = process_set
         ctx.shape = tensor.shape
-        # The rows every rank sent, to find this rank's slice of the gradient.
-        rows = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64)
-        ctx.rows = ops.synchronize(ops.allgather_async(rows, None, process_set)).tolist()
-        return ops.synchronize(ops.allgather_async(tensor.detach(), name, process_set))
+        # The engine reports the rows every rank sent: they locate this rank's gradient slice.
+        output, ctx.rows = ops.synchronize(ops._allgather_with_rows_async(tensor.detach(), name,
+                                                                          process_set))
+        return output
 
     @staticmethod
     def backward(ctx, grad):

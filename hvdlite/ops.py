@@ -246,6 +246,12 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
                    [_check_name("allgather_async", name)], _first)
 
 
+def _allgather_with_rows_async(tensor, name, process_set):
+    """allgather_async whose synchronize() also returns every rank's row count."""
+    return _submit("allgather", process_set, _ALLGATHER, [tensor], [None],
+                   [_check_name("allgather", name)], lambda outputs: outputs[0])
+
+
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Starts an allgather of each tensor in a list, negotiated as a unit."""
     tensors = _check_tensors("grouped_allgather_async", tensors)
