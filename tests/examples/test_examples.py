@@ -1,0 +1,60 @@
+"""The examples run end to end: alone and under the launcher, with the results they promise.
+
+Each example runs as a user would start it (`python examples/x.py`, or
+`python -m hvdlite.runner.launch -np 2 python examples/x.py`), in a clean environment with one
+torch thread per rank, and its printed output is checked.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCH = [sys.executable, "-m", "hvdlite.runner.launch"]
+
+
+def run_example(script, *args, np=1, timeout=90):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HVDLITE_", "OMPI_", "PMI_", "SLURM_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, os.path.join("examples", script), *map(str, args)]
+    if np > 1:
+        command = LAUNCH + ["-np", str(np)] + command
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(command)} exited with {done.returncode}:\n" \
+                                 f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def number(pattern, text):
+    found = re.findall(pattern, text)
+    assert found, f"no line matching {pattern!r} in:\n{text[-2000:]}"
+    return float(found[-1])
+
+
+def test_digits_two_ranks_reach_one_rank_accuracy_within_a_point():
+    alone = run_example("digits.py")
+    pair = run_example("digits.py", np=2)
+    one = number(r"test accuracy: ([\d.]+)% \(\d+/\d+\) on 1 rank", alone)
+    two = number(r"test accuracy: ([\d.]+)% \(\d+/\d+\) on 2 rank", pair)
+    assert one >= 95.0, f"1 rank reached only {one}%"
+    assert abs(two - one) <= 1.0, f"2 ranks reached {two}%, 1 rank {one}%"
+    assert "epoch  30/30 [########################]" in pair, "no progress bar from rank 0"
+    assert "[1]<stdout>: epoch" not in pair, "rank 1 printed a progress bar"
+
+
+def test_synthetic_benchmark_reports_per_rank_and_total_rates():
+    out = run_example("synthetic_benchmark.py", "--batch-size", 8, "--num-iters", 2,
+                      "--num-warmup-batches", 1, "--num-batches-per-iter", 2, "--fp16-allreduce",
+                      np=2)
+    per_rank = number(r"img/sec per rank: ([\d.]+) \+-", out)
+    total = number(r"total img/sec on 2 rank\(s\): ([\d.]+)", out)
+    assert per_rank > 0 and total > per_rank, out
+
+
+def test_horovod_port_trains_under_the_launcher():
+    out = run_example(os.path.join("horovod_port", "train.py"), "--epochs", 3, np=2)
+    assert number(r"Accuracy: ([\d.]+)%", out) > 80.0, out
