@@ -1,0 +1,87 @@
+"""Process sets: independent negotiation per set, membership errors, add/remove."""
+
+import threading
+
+import pytest
+import torch
+
+import hvdlite as hvd
+from tests.harness import run_ranks
+
+
+def _two_sets():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()  # 3 ranks
+    evens = hvd.add_process_set([0, 2])
+    odds_and_zero = hvd.add_process_set(hvd.ProcessSet([0, 1]))
+    assert evens.included() == (rank in (0, 2)) and evens.size() == 2
+    assert odds_and_zero.rank() == (0 if rank == 0 else 1 if rank == 1 else -1)
+    results = {}
+    # rank 0 is in both sets and drives them from two threads at once: a slow set must not
+    # hold up the other (each set has its own engine)
+    def in_set(ps, tag, n):
+        out = []
+        for i in range(n):
+            out.append(hvd.allreduce(torch.tensor([float(rank + i)]), op=hvd.Sum, name=f"{tag}.{i}",
+                                     process_set=ps).item())
+        results[tag] = out
+    threads = []
+    if rank in (0, 2):
+        threads.append(threading.Thread(target=in_set, args=(evens, "evens", 20)))
+    if rank in (0, 1):
+        threads.append(threading.Thread(target=in_set, args=(odds_and_zero, "low", 20)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    # every collective kind within a set, with set-relative semantics
+    if rank in (0, 2):
+        g = hvd.allgather(torch.tensor([rank]), process_set=evens)
+        assert g.tolist() == [0, 2]
+        b = hvd.broadcast(torch.tensor([rank]), 2, process_set=evens)
+        assert b.item() == 2
+        rs = hvd.reducescatter(torch.arange(4.0) * (rank + 1), op=hvd.Sum, process_set=evens)
+        assert rs.tolist() == ([0.0, 4.0] if rank == 0 else [8.0, 12.0])
+        hvd.barrier(process_set=evens)
+        with pytest.raises(ValueError, match="root_rank 1 is not in the process set"):
+            hvd.broadcast(torch.ones(1), 1, process_set=evens)
+    else:
+        with pytest.raises(ValueError, match="rank 1 is not in ProcessSet"):
+            hvd.allreduce(torch.ones(1), process_set=evens)
+    # a mismatch inside a set names set ranks and leaves the global set alone
+    if rank in (0, 1):
+        with pytest.raises(hvd.MismatchError, match="shape mismatch: rank 0 has \\[1\\]; rank 1 has \\[2\\]"):
+            hvd.allreduce(torch.ones(rank + 1), name="m", process_set=odds_and_zero)
+    total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="global").item()
+    assert hvd.remove_process_set(evens) is True
+    assert hvd.remove_process_set(evens) is False
+    with pytest.raises(ValueError, match="has not been added"):
+        hvd.allreduce(torch.ones(1), process_set=evens)
+    hvd.shutdown()
+    return results, total
+
+
+def test_two_process_sets_run_concurrently_and_check_membership():
+    out = run_ranks(3, __name__, "_two_sets", timeout=90)
+    for rank, (results, total) in enumerate(out):
+        assert total == 3
+        if rank in (0, 2):
+            assert results["evens"] == [float(0 + 2 + 2 * i) for i in range(20)]
+        if rank in (0, 1):
+            assert results["low"] == [float(0 + 1 + 2 * i) for i in range(20)]
+
+
+def _bad_sets():
+    hvd.init()
+    with pytest.raises(ValueError, match="ranks \\[5\\] are outside a job of 2 ranks"):
+        hvd.add_process_set([0, 5])
+    with pytest.raises(ValueError, match="duplicates"):
+        hvd.ProcessSet([1, 1])
+    with pytest.raises(TypeError, match="must be a hvdlite.ProcessSet"):
+        hvd.allreduce(torch.ones(1), process_set="all")
+    hvd.shutdown()
+    return True
+
+
+def test_bad_process_sets_raise_clear_errors():
+    assert all(run_ranks(2, __name__, "_bad_sets"))
