@@ -26,7 +26,8 @@ struct Config {
   // HVDLITE_STALL_CHECK_TIME_SECONDS: warn about tensors some ranks have not submitted.
   double stall_check_seconds = 60.0;
   // HVDLITE_STALL_SHUTDOWN_TIME_SECONDS: fail such tensors after this long (0 = never).
-  double stall_shutdown_seconds = 600.0;
+  // Shorter than the process groups' 300 s timeout, so a stall is reported as a stall.
+  double stall_shutdown_seconds = 240.0;
   // HVDLITE_LOG_LEVEL: trace, debug, info, warning (default) or error.
   LogLevel log_level = LogLevel::kWarning;
 

@@ -17,8 +17,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import _environment
-from .exceptions import NotInitializedError
+from . import _environment, _liveness
+from .exceptions import NotInitializedError, RankFailureError
 
 try:
     from . import _core
@@ -57,6 +57,8 @@ class _State:
     prefix: str
     loopback: bool
     sets: dict      # process set id -> _SetRuntime; 0 is the global set
+    peers: list     # every rank's host and pid (see _liveness)
+    failure: tuple = None  # (text, ranks) once a rank failure has been diagnosed
     handles: dict = dataclasses.field(default_factory=dict)
     handle_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
     set_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
@@ -162,9 +164,11 @@ def init(comm=None, process_sets=None):
                                            local_size=dist.get_world_size(), local_rank=dist.get_rank(),
                                            source="torch.distributed")
         store, prefix, loopback = _rendezvous(topology, rendezvous)
+        _liveness.publish(store, prefix, topology.rank)
         engine, groups = _start_engine((store, prefix, loopback), "global", topology.rank, topology.size)
         sets = {0: _SetRuntime(list(range(topology.size)), engine, groups, topology.rank)}
-        _state = _State(topology=topology, store=store, prefix=prefix, loopback=loopback, sets=sets)
+        _state = _State(topology=topology, store=store, prefix=prefix, loopback=loopback, sets=sets,
+                        peers=_liveness.read(store, prefix, topology.size))
         if not _atexit_registered:
             # Exiting with work in flight and no shutdown can abort the process; see
             # Note [Interpreter exit] in docs/design.md.
@@ -192,6 +196,21 @@ def shutdown():
         for set_id in sorted(state.sets, reverse=True):
             if state.sets[set_id].engine is not None:
                 state.sets[set_id].engine.shutdown()
+
+
+def _explain(exc, state=None):
+    """Adds what is known about a lost peer to a RankFailureError (once per init)."""
+    state = state or _state
+    if not isinstance(exc, RankFailureError) or state is None or getattr(exc, "_explained", False):
+        return exc
+    if state.failure is None:
+        state.failure = _liveness.describe(state.peers, state.topology.rank, str(exc))
+    text, ranks = state.failure
+    if text:
+        exc.args = (f"{exc.args[0]} ({text})",) + exc.args[1:]
+        exc.ranks = ranks
+    exc._explained = True
+    return exc
 
 
 def is_initialized():

@@ -139,8 +139,11 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
                          "(torch.cuda.is_available() was False at hvdlite.init())")
     if len(devices) > 1:
         raise ValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
-    core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale, postscale,
-                                          group, list(splits))
+    try:
+        core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale,
+                                              postscale, group, list(splits))
+    except Exception as exc:
+        raise basics._explain(exc, state)
     handle = next(state.handle_ids)
     state.handles[handle] = _Pending(runtime.engine, core_handles, finish)
     return handle
@@ -411,7 +414,8 @@ def synchronize(handle):
     Raises the operation's ``HvdliteError`` (e.g. ``MismatchError`` on every rank involved) if
     it failed. A handle can be synchronized once.
     """
-    pending = basics._current().handles.pop(handle, None)
+    state = basics._current()
+    pending = state.handles.pop(handle, None)
     if pending is None:
         raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
     outputs, error = [], None
@@ -422,5 +426,5 @@ def synchronize(handle):
             error = error or exc
             outputs.append((None, None))
     if error is not None:
-        raise error
+        raise basics._explain(error, state)
     return pending.finish(outputs)
