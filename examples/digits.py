@@ -1,7 +1,8 @@
 """Data-parallel training of a small MLP on scikit-learn's bundled digits data set.
 
     python examples/digits.py                       # one process
-    hvdliterun -np 2 python examples/digits.py      # two ranks (or: python -m hvdlite.runner.launch ...)
+    hvdliterun -np 2 python examples/digits.py      # two ranks
+    python -m hvdlite.runner.launch -np 2 python examples/digits.py   # the same
 
 The 1,797 8x8 images are split into train and test sets by a fixed seed. Every epoch the
 training set is shuffled (the same permutation on every rank) and each rank takes its own

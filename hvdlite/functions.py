@@ -54,8 +54,8 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
                                     process_set=process_set) for name, t in direct]
     _wait_all(handles)
     if pickled:  # dtypes the engine does not carry (bool, int16, complex, sparse): by value
-        values = broadcast_object({n: t.cpu() for n, t in pickled} if basics.rank() == root else None,
-                                  root, name="broadcast_parameters.pickled",
+        mine = {n: t.cpu() for n, t in pickled} if basics.rank() == root else None
+        values = broadcast_object(mine, root, name="broadcast_parameters.pickled",
                                   process_set=process_set)
         with torch.no_grad():
             for name, t in pickled:

@@ -276,7 +276,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _on_gradient(self, p):
         """Hook body (autograd's thread): count the pass, submit when it is the k-th."""
-        if not self._communicate or self._no_sync or p not in self._names:
+        if not self._communicate or p not in self._names:
+            return
+        if self._no_sync:
+            self._synchronized = False  # this gradient changed after any earlier synchronize()
             return
         with self._lock:
             if p in self._pending or self._waiting_in_group(p):
@@ -416,7 +419,8 @@ def _remove_hooks(handles):
 
 def _check_options(op, predivide, passes, compression):
     if op not in (ops.Average, ops.Sum) or isinstance(op, bool):
-        raise ValueError(f"DistributedOptimizer: op must be hvdlite.Average or hvdlite.Sum, got {op!r}")
+        raise ValueError("DistributedOptimizer: op must be hvdlite.Average or hvdlite.Sum, "
+                         f"got {op!r}")
     if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
         raise ValueError("DistributedOptimizer: gradient_predivide_factor must be a positive "
                          f"number, got {predivide!r}")
@@ -456,7 +460,8 @@ def _plan_groups(names, groups, num_groups):
     if groups is not None and num_groups:
         raise ValueError("DistributedOptimizer: pass groups or num_groups, not both")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
-        raise ValueError(f"DistributedOptimizer: num_groups must be an int >= 0, got {num_groups!r}")
+        raise ValueError("DistributedOptimizer: num_groups must be an int >= 0, "
+                         f"got {num_groups!r}")
     if groups is None:
         if not num_groups or not params:
             return [], {}

@@ -42,7 +42,8 @@ def _flat_state(opt):
 def _assert_same_state(mine, roots, what):
     (state, hyper), (root_state, root_hyper) = mine, roots
     assert hyper == root_hyper, f"{what}: hyperparameters {hyper} != root's {root_hyper}"
-    assert state.keys() == root_state.keys(), f"{what}: keys {sorted(state)} != {sorted(root_state)}"
+    assert state.keys() == root_state.keys(), \
+        f"{what}: keys {sorted(state)} != {sorted(root_state)}"
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
             assert v.dtype == root_state[k].dtype and torch.equal(v, root_state[k]), f"{what}: {k}"
@@ -55,8 +56,9 @@ def _assert_same_state(mine, roots, what):
 def check_objects_round_trip():
     rank, size = hvd.rank(), hvd.size()
     obj = {"from": rank, "payload": list(range(rank * 50))}
-    assert hvd.broadcast_object(obj, root_rank=size - 1) == {"from": size - 1,
-                                                             "payload": list(range((size - 1) * 50))}
+    last = size - 1
+    assert hvd.broadcast_object(obj, root_rank=last) == {"from": last,
+                                                         "payload": list(range(last * 50))}
     assert hvd.broadcast_object(None if rank else ("x", 1.5)) == ("x", 1.5)
     gathered = hvd.allgather_object(obj, name="objs")
     assert gathered == [{"from": r, "payload": list(range(r * 50))} for r in range(size)], gathered

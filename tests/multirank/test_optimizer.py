@@ -42,6 +42,11 @@ def batch(step, rank, micro=0, n=4):
     return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
 
 
+def reference_loss(model, step, size):
+    """The single-process loss on every rank's batch of ``step``: the mean of their means."""
+    return sum(F.mse_loss(model(batch(step, r)[0]), batch(step, r)[1]) for r in range(size)) / size
+
+
 def assert_params_close(model, ref, atol, what):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         diff = (p.detach() - q.detach()).abs().max().item()
@@ -129,8 +134,8 @@ def check_groups_and_num_groups_match():
     model = Net()
     groups = [[model.fc1.weight, model.fc2.weight], [model.fc1.bias, model.extra.bias]]
     # train_and_compare builds its own model: check an explicit grouping on a model it shares
-    opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
-                                   groups=groups)
+    opt = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                   named_parameters=model.named_parameters(), groups=groups)
     ref = Net()
     ref_opt = sgd(ref.parameters())
     rank, size = hvd.rank(), hvd.size()
@@ -140,7 +145,7 @@ def check_groups_and_num_groups_match():
         F.mse_loss(model(x), y).backward()
         opt.step()
         ref_opt.zero_grad()
-        sum(F.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(size)).div(size).backward()
+        reference_loss(ref, step, size).backward()
         ref_opt.step()
     assert_params_close(model, ref, 1e-5, "explicit groups")
 
@@ -166,7 +171,8 @@ def check_unused_branch_does_not_hang_and_matches():
 
 def check_lr_scheduler_works_on_the_wrapper():
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # e.g. "lr_scheduler.step() before optimizer.step()"
+        # e.g. "Detected call of lr_scheduler.step() before optimizer.step()"
+        warnings.simplefilter("error", UserWarning)
         _, opt, ref_opt = train_and_compare(sgd, scheduler=True)
     assert isinstance(opt, torch.optim.Optimizer)
     lrs = [g["lr"] for g in opt.param_groups]
@@ -177,7 +183,8 @@ def check_lr_scheduler_works_on_the_wrapper():
 def check_zero_grad_during_reduction_raises():
     rank = hvd.rank()
     model = Net()
-    opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                   named_parameters=model.named_parameters())
     x, y = batch(0, rank)
     F.mse_loss(model(x), y).backward()
     with pytest.raises(RuntimeError, match=r"zero_grad\(\).*'grad\.fc\d\.(weight|bias)'"):
@@ -199,7 +206,8 @@ def check_sparse_gradients_both_ways():
         ref = nn.Embedding(12, 4)
         ref.load_state_dict(emb.state_dict())
         opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
-                                       named_parameters=emb.named_parameters(), sparse_as_dense=as_dense)
+                                       named_parameters=emb.named_parameters(),
+                                       sparse_as_dense=as_dense)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
 
         def ids(step, r):
@@ -233,7 +241,7 @@ def check_constructor_validates_names():
     x, y = batch(0, hvd.rank())
     F.mse_loss(model(x), y).backward()
     opt.step()
-    sum(F.mse_loss(ref(batch(0, r)[0]), batch(0, r)[1]) for r in range(hvd.size())).div(hvd.size()).backward()
+    reference_loss(ref, 0, hvd.size()).backward()
     ref_opt.step()
     assert_params_close(model, ref, 1e-5, "generated names")
 
