@@ -9,12 +9,12 @@
 namespace hvdlite {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
       .count();
 }
+
+constexpr double kActiveHeartbeatMs = 100.0;
 
 Clock::duration Millis(double ms) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms));
@@ -110,6 +110,7 @@ void Engine::Shutdown() {
 void Engine::Loop() {
   at::NoGradGuard no_grad;
   auto last_round = Clock::now() - std::chrono::hours(1);
+  auto last_busy = Clock::now();
   auto backoff = Millis(0.1);
   bool stuck = false;
   while (true) {
@@ -122,28 +123,36 @@ void Engine::Loop() {
       auto next = last_round + Millis(config_.cycle_time_ms);
       if (Clock::now() < next) std::this_thread::sleep_until(next);
     } else {
-      auto wait = stuck ? backoff : Millis(config_.idle_heartbeat_ms);
+      auto wait = stuck ? backoff : IdleHeartbeat(Clock::now() - last_busy);
       queue_.WaitForWork(Clock::now() + wait);
       if (stuck && !queue_.HasNew() && !shutdown_requested_) {
         backoff = std::min(backoff * 2, Millis(config_.idle_heartbeat_ms));
       }
     }
     last_round = Clock::now();
-    bool keep_going = false;
+    bool keep_going = false, quiet = false;
     try {
-      keep_going = RunRound(&stuck);
+      keep_going = RunRound(&stuck, &quiet);
     } catch (const std::exception& e) {
       Stop(Status(StatusCode::kRankFailure,
                   std::string("hvdlite lost contact with its peers; the job cannot continue: ") +
                       e.what()));
       return;
     }
+    if (!quiet) last_busy = Clock::now();
     if (!stuck) backoff = Millis(0.1);
     if (!keep_going) return;
   }
 }
 
-bool Engine::RunRound(bool* stuck) {
+Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {
+  // Note [Cycle policy]: soon after activity, a short heartbeat keeps a peer's shutdown or
+  // stall check prompt; a long-idle engine wakes rarely (each round costs the transport ~1 ms).
+  const auto slow = Millis(config_.idle_heartbeat_ms);
+  return idle_for < std::chrono::seconds(2) ? std::min(slow, Millis(kActiveHeartbeatMs)) : slow;
+}
+
+bool Engine::RunRound(bool* stuck, bool* quiet) {
   RankMessage mine;
   mine.clock_ms = NowMs();
   if (shutdown_requested_) mine.flags |= kFlagShutdown;
@@ -174,6 +183,7 @@ bool Engine::RunRound(bool* stuck) {
     return false;
   }
   *stuck = round.quiet && round.all_outstanding;
+  *quiet = round.quiet;
   return true;
 }
 

@@ -141,6 +141,15 @@ def _start_engine(state_like, tag, rank, size):
     return _core.Engine(control, cpu, cuda, rank, size), (control, cpu, cuda)
 
 
+def _topology_from_hosts(topology, hosts):
+    """Local and cross ranks from the host each rank runs on (hosts in order of first rank)."""
+    order = list(dict.fromkeys(hosts))
+    mine = hosts[topology.rank]
+    return dataclasses.replace(
+        topology, local_rank=hosts[:topology.rank].count(mine), local_size=hosts.count(mine),
+        cross_rank=order.index(mine), cross_size=len(order))
+
+
 def init(comm=None, process_sets=None):
     """Starts hvdlite on this rank. Synchronizes with every other rank of the job.
 
@@ -160,15 +169,18 @@ def init(comm=None, process_sets=None):
             return
         topology, rendezvous = _environment.detect()
         if dist.is_initialized() and topology.source == "single":
+            # Local and cross ranks are derived from the hosts every rank publishes, below.
             topology = dataclasses.replace(topology, rank=dist.get_rank(), size=dist.get_world_size(),
-                                           local_size=dist.get_world_size(), local_rank=dist.get_rank(),
                                            source="torch.distributed")
         store, prefix, loopback = _rendezvous(topology, rendezvous)
         _liveness.publish(store, prefix, topology.rank)
         engine, groups = _start_engine((store, prefix, loopback), "global", topology.rank, topology.size)
         sets = {0: _SetRuntime(list(range(topology.size)), engine, groups, topology.rank)}
+        peers = _liveness.read(store, prefix, topology.size)
+        if topology.source == "torch.distributed":
+            topology = _topology_from_hosts(topology, [p["host"] for p in peers])
         _state = _State(topology=topology, store=store, prefix=prefix, loopback=loopback, sets=sets,
-                        peers=_liveness.read(store, prefix, topology.size))
+                        peers=peers)
         if not _atexit_registered:
             # Exiting with work in flight and no shutdown can abort the process; see
             # Note [Interpreter exit] in docs/design.md.

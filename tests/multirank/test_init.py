@@ -88,7 +88,7 @@ def test_existing_torch_distributed_group_is_reused():
     port = _free_port()
     job = Job(2, __name__, "_user_process_group",
               rank_env_extra={r: {"TEST_PORT": str(port), "TEST_RANK": str(r)} for r in range(2)})
-    assert job.wait(timeout=60) == [(r, 2, 0, 1, 0, 1, True, 1, False, 2.0) for r in range(2)]
+    assert job.wait(timeout=60) == [(r, 2, r, 2, 0, 1, True, 1, False, 2.0) for r in range(2)]
 
 
 def test_no_launcher_runs_as_a_single_rank():
