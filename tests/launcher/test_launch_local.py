@@ -20,9 +20,15 @@ print(json.dumps(env))
 
 
 def _envs(proc):
+    """{rank: environment} in rank order.
+
+    Ranks run concurrently, so their lines reach the launcher's stdout in whatever order they
+    were printed; rank_lines() keeps that order, which on a loaded machine is often not 0, 1.
+    """
     assert proc.returncode == 0, proc.stderr
     lines = rank_lines(proc.stdout)
-    return {rank: json.loads(out[0]) for rank, out in lines.items() if rank is not None}
+    ranks = sorted(r for r in lines if r is not None)
+    return {rank: json.loads(lines[rank][0]) for rank in ranks}
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
@@ -49,8 +55,8 @@ def test_launch_local_ranks_get_contract_environment(hvdliterun, tmp_path, np):
 
 def test_launch_localhost_host_list_runs_locally(hvdliterun):
     envs = _envs(hvdliterun("-H", "localhost:2", sys.executable, "-c", PRINT_ENV))
-    assert [e["HVDLITE_HOSTNAME"] for e in envs.values()] == ["localhost", "localhost"]
-    assert [e["LOCAL_RANK"] for e in envs.values()] == ["0", "1"]
+    assert [envs[r]["HVDLITE_HOSTNAME"] for r in (0, 1)] == ["localhost", "localhost"]
+    assert [envs[r]["LOCAL_RANK"] for r in (0, 1)] == ["0", "1"]
     assert envs[0]["HVDLITE_RENDEZVOUS_ADDR"] == "127.0.0.1"
 
 
