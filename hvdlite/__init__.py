@@ -1,27 +1,74 @@
 """hvdlite: Horovod-style data-parallel training for PyTorch over torch.distributed.
 
 ``import hvdlite as hvd`` gives the names of ``horovod.torch``.
+
+Note [Lazy exports]
+Importing this package imports neither torch nor the native extension: each public name is
+loaded from its submodule on first use (PEP 562 module ``__getattr__``), so the hvdliterun
+launcher, which lives in hvdlite.runner and needs neither, starts in a fraction of a second
+instead of the seconds torch takes. ``hvd.allreduce(...)``, ``from hvdlite import X`` and
+``dir(hvdlite)`` behave as if everything were imported eagerly. A missing or broken extension
+raises basics.py's ImportError, which says how to build it, at the first name that needs it.
 """
-
-import torch  # noqa: F401  (the extension links against torch: import it first)
-
-from .basics import (cross_rank, cross_size, gloo_built, gloo_enabled, init, is_homogeneous,
-                     is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                     mpi_threads_supported, nccl_built, rank, shutdown, size)
-from .compression import Compression
-from .differentiable import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
-                             grouped_allreduce, grouped_reducescatter, reducescatter)
-from .exceptions import (HorovodInternalError, HvdliteError, MismatchError, NotInitializedError,
-                         RankFailureError, ShutdownError, StallError)
-from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                        broadcast_parameters)
-from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_,
-                  allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_,
-                  broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_,
-                  grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter_async,
-                  join, poll, reducescatter_async, synchronize)
-from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .sync_batch_norm import SyncBatchNorm
+import importlib
 
 __version__ = "0.1.0"
+
+# Public name -> submodule that defines it. Add a name here to export it.
+_EXPORTS = {
+    # basics
+    **dict.fromkeys(
+        ["cross_rank", "cross_size", "gloo_built", "gloo_enabled", "init", "is_homogeneous",
+         "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+         "mpi_threads_supported", "nccl_built", "rank", "shutdown", "size"], "basics"),
+    "Compression": "compression",
+    **dict.fromkeys(
+        ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
+         "grouped_allreduce", "grouped_reducescatter", "reducescatter"], "differentiable"),
+    **dict.fromkeys(
+        ["HorovodInternalError", "HvdliteError", "MismatchError", "NotInitializedError",
+         "RankFailureError", "ShutdownError", "StallError"], "exceptions"),
+    **dict.fromkeys(
+        ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
+         "broadcast_parameters"], "functions"),
+    **dict.fromkeys(
+        ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather_async", "allreduce_",
+         "allreduce_async", "allreduce_async_", "alltoall_async", "barrier", "broadcast_",
+         "broadcast_async", "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_",
+         "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter_async",
+         "join", "poll", "reducescatter_async", "synchronize"], "ops"),
+    "DistributedOptimizer": "optimizer",
+    **dict.fromkeys(
+        ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"],
+        "process_sets"),
+    "SyncBatchNorm": "sync_batch_norm",
+}
+
+# The extension links against torch's libraries, so it must load after torch: basics imports
+# torch, then _core, and turns a failure into the ImportError that says how to build it.
+# (`from hvdlite import _core` goes through here; a bare `import hvdlite._core` does not.)
+_PRIVATE = {"_core": "basics"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    module_name = _EXPORTS.get(name) or _PRIVATE.get(name)
+    if module_name is not None:
+        value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    elif name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    else:
+        # A submodule (hvd.ops, hvd.basics): they were all loaded eagerly before.
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

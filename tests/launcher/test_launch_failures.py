@@ -1,5 +1,6 @@
 """hvdliterun when things go wrong: failing ranks, signals, start timeout, bad command lines."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -7,24 +8,25 @@ import time
 
 import pytest
 
-from hvdlite.runner import launch, rendezvous
+from hvdlite.runner import launch
 from launcher_helpers import LAUNCH
 
 RANK1_FAILS = r"""
 import os, sys, time
 if os.environ["RANK"] == "1":
     time.sleep(0.3)
-    print("rank 1 gives up", file=sys.stderr)
+    print(f"rank 1 gives up at {time.time()!r}", file=sys.stderr)
     sys.exit(3)
 time.sleep(60)
 """
 
 
 def test_launch_failing_rank_stops_others_and_is_named(hvdliterun):
-    t0 = time.monotonic()
     proc = hvdliterun("-np", 3, sys.executable, "-c", RANK1_FAILS, timeout=40)
-    elapsed = time.monotonic() - t0
-    assert proc.returncode == 3
+    # Timed from the failure, not from the launch: starting four interpreters on a loaded
+    # machine can take seconds, and that is not what this test is about.
+    assert proc.returncode == 3, proc.stderr
+    elapsed = time.time() - float(re.search(r"gives up at (\S+)", proc.stderr).group(1))
     assert elapsed < 10, f"the sleeping ranks were not stopped promptly ({elapsed:.1f} s)"
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("hvdliterun: error: rank 1 (host ")
@@ -96,14 +98,10 @@ def test_launch_signal_stops_every_rank(tmp_path, mode, sig):
     assert [pid for pid in pids if _alive(pid)] == []
 
 
-# Rank scripts load rendezvous.py by path: importing the hvdlite package would import torch
-# and the core, seconds per rank on a slow machine, which would race the start timeout.
+# Importing hvdlite.runner imports neither torch nor the core (Note [Lazy exports]), so a rank
+# reaches the rendezvous well within the short start timeouts below.
 LOAD_RENDEZVOUS = r"""
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("rendezvous", sys.argv[1])
-rendezvous = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(rendezvous)
-RendezvousClient, RendezvousError = rendezvous.RendezvousClient, rendezvous.RendezvousError
+from hvdlite.runner.rendezvous import RendezvousClient, RendezvousError
 """
 
 CONNECT_THEN_SLEEP = LOAD_RENDEZVOUS + r"""
@@ -119,7 +117,7 @@ time.sleep(60)
 def test_launch_start_timeout_names_ranks_that_never_arrived(hvdliterun):
     t0 = time.monotonic()
     proc = hvdliterun("-np", 3, "--start-timeout", 2, sys.executable, "-c",
-                      CONNECT_THEN_SLEEP, rendezvous.__file__, timeout=40)
+                      CONNECT_THEN_SLEEP, timeout=40)
     assert proc.returncode == 1
     assert time.monotonic() - t0 < 12
     last = proc.stderr.strip().splitlines()[-1]
@@ -148,7 +146,7 @@ print("joined with the secret")
 
 
 def test_launch_rendezvous_refuses_a_client_without_the_job_secret(hvdliterun):
-    proc = hvdliterun("-np", 1, sys.executable, "-c", WRONG_SECRET, rendezvous.__file__)
+    proc = hvdliterun("-np", 1, sys.executable, "-c", WRONG_SECRET)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["[0]<stdout>: refused",
                                         "[0]<stdout>: joined with the secret"]
@@ -175,8 +173,8 @@ BAD_COMMAND_LINES = [
 
 @pytest.mark.parametrize("args,needle", BAD_COMMAND_LINES)
 def test_launch_bad_command_line_is_one_line_exit_2(capsys, args, needle):
-    # In process: parsing fails before anything starts, and a launcher subprocess per case
-    # would cost seconds each (the hvdlite package imports torch).
+    # In process: parsing fails before anything starts, so a launcher subprocess per case
+    # would only add interpreter start-ups.
     assert launch.main(args) == 2
     out, err = capsys.readouterr()
     assert err.count("\n") == 1, err
