@@ -91,6 +91,10 @@ Request RequestFromDict(const py::dict& d) {
   r.group = d.contains("group") ? d["group"].cast<std::string>() : "";
   r.group_size = d.contains("group_size") ? d["group_size"].cast<int>() : 0;
   if (d.contains("splits")) r.splits = d["splits"].cast<std::vector<int64_t>>();
+  if (d.contains("payload")) {
+    r.inlined = true;
+    r.payload = d["payload"].cast<std::string>();
+  }
   return r;
 }
 
@@ -104,6 +108,7 @@ py::dict ItemToDict(const ReadyItem& item) {
   d["joined"] = item.joined;
   d["contributors"] = item.contributors;
   d["last_joined"] = item.last_joined;
+  d["inlined"] = item.inlined;
   return d;
 }
 
@@ -120,8 +125,21 @@ RankMessage MessageFromDict(const py::dict& d) {
 // A Controller driven round by round from Python, as every rank would drive its own.
 class ControllerHarness {
  public:
-  ControllerHarness(int size, double stall_check, double stall_shutdown)
-      : controller_(size, stall_check, stall_shutdown) {}
+  ControllerHarness(int size, double stall_check, double stall_shutdown, size_t cache_capacity)
+      : controller_(size, stall_check, stall_shutdown, cache_capacity) {}
+  // Encodes rank `rank`'s message as it would travel (cached requests abbreviated), then
+  // decodes it as the receivers would: returns (bytes on the wire, decoded message).
+  py::tuple Wire(int rank, const py::dict& message) {
+    RankMessage m = MessageFromDict(message);
+    std::string wire = EncodeRankMessage(m, [&](const Request& r) { return controller_.CacheLookup(rank, r); });
+    RankMessage back;
+    Check(DecodeRankMessage(wire.data(), wire.size(), &back, [&](uint32_t id, Request* out) {
+      return controller_.CacheResolve(rank, id, out);
+    }));
+    py::list names;
+    for (const Request& r : back.requests) names.append(r.name);
+    return py::make_tuple(wire.size(), names);
+  }
   py::dict Round(const py::list& messages) {
     std::vector<RankMessage> parsed;
     for (auto m : messages) parsed.push_back(MessageFromDict(m.cast<py::dict>()));
@@ -135,6 +153,7 @@ class ControllerHarness {
     out["all_outstanding"] = result.all_outstanding;
     out["stall_warning"] = result.stall_warning;
     out["pending"] = controller_.pending_count();
+    out["cache_entries"] = controller_.cache_entries();
     return out;
   }
 
@@ -187,6 +206,8 @@ py::dict DecodeMessage(const py::bytes& data) {
     d["group"] = r.group;
     d["group_size"] = r.group_size;
     d["splits"] = r.splits;
+    d["inlined"] = r.inlined;
+    d["payload"] = py::bytes(r.payload);
     requests.append(d);
   }
   out["requests"] = requests;
@@ -208,6 +229,8 @@ py::dict ParseConfig(const std::map<std::string, std::string>& env) {
   out["stall_check_seconds"] = config.stall_check_seconds;
   out["stall_shutdown_seconds"] = config.stall_shutdown_seconds;
   out["log_level"] = static_cast<int>(config.log_level);
+  out["cache_capacity"] = config.cache_capacity;
+  out["inline_bytes"] = config.inline_bytes;
   return out;
 }
 
@@ -248,6 +271,20 @@ PYBIND11_MODULE(_core, m) {
              return std::make_pair(output, aux);
            },
            py::call_guard<py::gil_scoped_release>())
+      .def("wait_all",
+           [](Engine& engine, const std::vector<int64_t>& handles) {
+             // One call for a whole group: waits for every handle even after a failure, then
+             // reports the first failure.
+             std::vector<std::pair<at::Tensor, std::vector<int64_t>>> results(handles.size());
+             Status first_error;
+             for (size_t i = 0; i < handles.size(); ++i) {
+               Status status = engine.Wait(handles[i], &results[i].first, &results[i].second);
+               if (!status.ok() && first_error.ok()) first_error = status;
+             }
+             Check(first_error);
+             return results;
+           },
+           py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::Shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
@@ -256,9 +293,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("cycle_time_ms", [](const Engine& e) { return e.config().cycle_time_ms; });
 
   py::class_<ControllerHarness>(m, "_ControllerHarness")
-      .def(py::init<int, double, double>(), py::arg("size"), py::arg("stall_check_seconds") = 0.0,
-           py::arg("stall_shutdown_seconds") = 0.0)
-      .def("round", &ControllerHarness::Round);
+      .def(py::init<int, double, double, size_t>(), py::arg("size"),
+           py::arg("stall_check_seconds") = 0.0, py::arg("stall_shutdown_seconds") = 0.0,
+           py::arg("cache_capacity") = 0)
+      .def("round", &ControllerHarness::Round)
+      .def("wire", &ControllerHarness::Wire);
   m.def("_plan", &Plan);
   m.def("_encode_message", &EncodeMessage);
   m.def("_decode_message", &DecodeMessage);

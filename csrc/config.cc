@@ -79,6 +79,19 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
                          "seconds >= 0 (0 disables)", &config.stall_shutdown_seconds);
     if (!status.ok()) return status;
   }
+  if ((value = lookup("HVDLITE_CACHE_CAPACITY")) && *value) {
+    status = ParseInt("HVDLITE_CACHE_CAPACITY", value, 0, "a number of names >= 0 (0 disables)",
+                      &config.cache_capacity);
+    if (!status.ok()) return status;
+  }
+  if ((value = lookup("HVDLITE_INLINE_BYTES")) && *value) {
+    status = ParseInt("HVDLITE_INLINE_BYTES", value, 0, "a number of bytes >= 0 (0 disables)",
+                      &config.inline_bytes);
+    if (!status.ok()) return status;
+    if (config.inline_bytes > (1 << 20)) {
+      return BadValue("HVDLITE_INLINE_BYTES", value, "at most 1048576 bytes");
+    }
+  }
   if ((value = lookup("HVDLITE_LOG_LEVEL")) && *value) {
     status = ParseLogLevel("HVDLITE_LOG_LEVEL", value, &config.log_level);
     if (!status.ok()) return status;

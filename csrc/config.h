@@ -29,6 +29,12 @@ struct Config {
   // HVDLITE_STALL_SHUTDOWN_TIME_SECONDS: fail such tensors after this long (0 = never).
   // Shorter than the process groups' 300 s timeout, so a stall is reported as a stall.
   double stall_shutdown_seconds = 240.0;
+  // HVDLITE_CACHE_CAPACITY: names whose requests are remembered (Note [Response cache]);
+  // 0 disables the cache.
+  int64_t cache_capacity = 1024;
+  // HVDLITE_INLINE_BYTES: CPU tensors up to this size travel inside the negotiation round
+  // (Note [Inline small tensors]); 0 disables inlining.
+  int64_t inline_bytes = 512;
   // HVDLITE_LOG_LEVEL: trace, debug, info, warning (default) or error.
   LogLevel log_level = LogLevel::kWarning;
 

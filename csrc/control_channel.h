@@ -22,7 +22,8 @@ class ControlChannel {
   std::vector<std::string> Allgather(const std::string& mine);
 
  private:
-  static constexpr int64_t kSlotBytes = 1024;
+  // Fits a training step's worth of cached requests (Note [Response cache]) for ~200 tensors.
+  static constexpr int64_t kSlotBytes = 2048;
   static constexpr int64_t kHeaderBytes = 8;
   CollectiveBackend* backend_;
   int size_;

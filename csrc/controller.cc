@@ -66,7 +66,27 @@ bool RowsMayDiffer(CollectiveKind kind) {
 
 }  // namespace
 
+// The common case, checked without building any strings: every rank's request matches the
+// first one in every field that must agree.
+bool ObviouslyAgree(const std::vector<Request>& by_rank) {
+  const Request& first = by_rank.front();
+  const bool rows_differ = RowsMayDiffer(first.kind);
+  for (size_t i = 1; i < by_rank.size(); ++i) {
+    const Request& r = by_rank[i];
+    if (r.kind != first.kind || r.dtype != first.dtype || r.device_type != first.device_type ||
+        r.op != first.op || r.root != first.root || r.prescale != first.prescale ||
+        r.postscale != first.postscale || r.group != first.group || r.group_size != first.group_size ||
+        r.shape.size() != first.shape.size())
+      return false;
+    if (!std::equal(r.shape.begin() + (rows_differ && !r.shape.empty() ? 1 : 0), r.shape.end(),
+                    first.shape.begin() + (rows_differ && !first.shape.empty() ? 1 : 0)))
+      return false;
+  }
+  return true;
+}
+
 std::string CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank) {
+  if (ObviouslyAgree(by_rank)) return "";
   const Request& first = by_rank.front();
   const bool data = CarriesData(first.kind);
   const std::string prefix = std::string(KindName(first.kind)) + " of '" + first.name + "': ";
@@ -110,11 +130,13 @@ std::string CheckAgreement(const std::vector<int>& ranks, const std::vector<Requ
   return "";
 }
 
-Controller::Controller(int size, double stall_check_seconds, double stall_shutdown_seconds)
+Controller::Controller(int size, double stall_check_seconds, double stall_shutdown_seconds,
+                       size_t cache_capacity)
     : size_(size),
       stall_check_ms_(static_cast<int64_t>(stall_check_seconds * 1000)),
       stall_shutdown_ms_(static_cast<int64_t>(stall_shutdown_seconds * 1000)),
-      joined_(size, false) {}
+      joined_(size, false),
+      cache_(cache_capacity, size) {}
 
 RoundResult Controller::ProcessRound(const std::vector<RankMessage>& messages) {
   RoundResult result;
@@ -223,6 +245,19 @@ ReadyItem Controller::MakeReady(const Pending& pending) {
   if (!mismatch.empty()) {
     item.status = Status(StatusCode::kMismatch, mismatch);
     return item;
+  }
+  if (request.kind != CollectiveKind::kJoin && request.kind != CollectiveKind::kBarrier) {
+    cache_.Record(ranks, requests);
+  }
+  // Note [Inline small tensors]: if every rank sent its data along, the data has arrived.
+  const bool inlinable = request.kind == CollectiveKind::kAllreduce ||
+                         request.kind == CollectiveKind::kAllgather ||
+                         request.kind == CollectiveKind::kBroadcast;
+  if (inlinable && item.joined.empty() &&
+      std::all_of(requests.begin(), requests.end(), [](const Request& r) { return r.inlined; })) {
+    item.inlined = true;
+    for (const Request& r : requests) item.payloads.push_back(r.payload);
+    item.request.payload.clear();
   }
   if (request.kind == CollectiveKind::kJoin) {
     item.last_joined = last_joined_;

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "message.h"
+#include "response_cache.h"
 #include "status.h"
 
 namespace hvdlite {
@@ -49,6 +50,8 @@ struct ReadyItem {
   std::vector<int> joined;         // ranks that take part with a neutral input (Note [Join])
   int contributors = 0;            // ranks that submitted it: averages divide by this
   int last_joined = -1;            // join: the rank that joined last
+  bool inlined = false;            // every rank's data came with its request (payloads)
+  std::vector<std::string> payloads;  // by rank, when inlined (Note [Inline small tensors])
   Status status;                   // not ok: this tensor fails on every rank with this status
 };
 
@@ -62,12 +65,17 @@ struct RoundResult {
 
 class Controller {
  public:
-  Controller(int size, double stall_check_seconds, double stall_shutdown_seconds);
+  Controller(int size, double stall_check_seconds, double stall_shutdown_seconds,
+             size_t cache_capacity = 0);
 
   // messages[r] is rank r's message for this round.
   RoundResult ProcessRound(const std::vector<RankMessage>& messages);
 
   size_t pending_count() const { return pending_.size(); }
+  // Note [Response cache]: how `rank` may abbreviate a request, and how to expand it.
+  int32_t CacheLookup(int rank, const Request& request) const { return cache_.Lookup(rank, request); }
+  bool CacheResolve(int rank, uint32_t id, Request* out) const { return cache_.Resolve(rank, id, out); }
+  size_t cache_entries() const { return cache_.entries(); }
 
  private:
   struct Pending {
@@ -97,6 +105,7 @@ class Controller {
   std::vector<bool> joined_;
   int last_joined_ = -1;
   std::map<std::string, std::vector<ReadyItem>> held_groups_;
+  ResponseCache cache_;
 };
 
 // Compares the requests that `ranks` made for one name (by_rank[i] is ranks[i]'s). Returns ""

@@ -32,7 +32,8 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       cpu_backend_(std::move(cpu)),
       cuda_backend_(std::move(cuda)),
       channel_(control_backend_.get(), size),
-      controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds),
+      controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
+                  static_cast<size_t>(config.cache_capacity)),
       executor_(rank, size, cpu_backend_.get(), cuda_backend_.get(), &queue_, &handles_) {
   thread_ = std::thread([this] { Loop(); });
 }
@@ -59,6 +60,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     r.group = group;
     r.group_size = group.empty() ? 0 : static_cast<int32_t>(args.size());
     r.splits = std::move(a.splits);
+    MaybeInline(&r, a.input);
     if (!a.input.device().is_cpu()) {
       // Note [Device streams]: the input is ready once the caller's current stream gets here.
       c10::impl::VirtualGuardImpl impl(a.input.device().type());
@@ -81,6 +83,18 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
   }
   *handles = std::move(created);
   return Status::Ok();
+}
+
+void Engine::MaybeInline(Request* r, const at::Tensor& input) const {
+  // Note [Inline small tensors]
+  const bool kind_ok = r->kind == CollectiveKind::kAllreduce || r->kind == CollectiveKind::kAllgather ||
+                       r->kind == CollectiveKind::kBroadcast;
+  const int64_t bytes = input.numel() * static_cast<int64_t>(input.element_size());
+  if (!kind_ok || !input.device().is_cpu() || bytes > config_.inline_bytes) return;
+  r->inlined = true;
+  if (r->kind == CollectiveKind::kBroadcast && r->root != rank_) return;  // receivers send nothing
+  at::Tensor contiguous = input.contiguous();
+  r->payload.assign(static_cast<const char*>(contiguous.data_ptr()), static_cast<size_t>(bytes));
 }
 
 Status Engine::Poll(int64_t handle, bool* done) { return handles_.Poll(handle, done); }
@@ -122,6 +136,7 @@ void Engine::Loop() {
     } else if (has_new || (waiting && !stuck)) {
       auto next = last_round + Millis(config_.cycle_time_ms);
       if (Clock::now() < next) std::this_thread::sleep_until(next);
+      if (has_new) CoalesceBurst();
     } else {
       auto wait = stuck ? backoff : IdleHeartbeat(Clock::now() - last_busy);
       queue_.WaitForWork(Clock::now() + wait);
@@ -145,6 +160,20 @@ void Engine::Loop() {
   }
 }
 
+void Engine::CoalesceBurst() {
+  // Note [Cycle policy]: a caller that enqueues many tensors in a loop pushes one every few
+  // microseconds; starting the round at the first would send it alone and the rest a round
+  // later. Wait while pushes keep coming (gaps under kBurstGap), for at most kMaxBurstWait.
+  constexpr auto kBurstGap = std::chrono::microseconds(40);
+  constexpr auto kMaxBurstWait = std::chrono::microseconds(1000);
+  while (true) {
+    auto [oldest, newest] = queue_.NewSpan();
+    const auto now = Clock::now();
+    if (now - newest >= kBurstGap || now - oldest >= kMaxBurstWait || shutdown_requested_) return;
+    std::this_thread::sleep_until(std::min(newest + kBurstGap, oldest + kMaxBurstWait));
+  }
+}
+
 Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {
   // Note [Cycle policy]: soon after activity, a short heartbeat keeps a peer's shutdown or
   // stall check prompt; a long-idle engine wakes rarely (each round costs the transport ~1 ms).
@@ -159,11 +188,16 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   mine.requests = queue_.TakeNewRequests();
   if (!mine.requests.empty() || queue_.HasInFlight()) mine.flags |= kFlagHasOutstanding;
 
-  std::vector<std::string> raw = channel_.Allgather(EncodeRankMessage(mine));
+  const bool debug = logger_.Enabled(LogLevel::kDebug);
+  const auto t0 = Clock::now();
+  std::vector<std::string> raw = channel_.Allgather(EncodeRankMessage(
+      mine, [this](const Request& r) { return controller_.CacheLookup(rank_, r); }));
   std::vector<RankMessage> messages(size_);
   std::vector<int> shutting_down;
   for (int r = 0; r < size_; ++r) {
-    Status status = DecodeRankMessage(raw[r].data(), raw[r].size(), &messages[r]);
+    Status status = DecodeRankMessage(
+        raw[r].data(), raw[r].size(), &messages[r],
+        [this, r](uint32_t id, Request* out) { return controller_.CacheResolve(r, id, out); });
     if (!status.ok()) {
       Stop(Status(StatusCode::kRankFailure,
                   "rank " + std::to_string(r) + " sent a malformed control message: " +
@@ -172,10 +206,23 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
     }
     if (messages[r].flags & kFlagShutdown) shutting_down.push_back(r);
   }
+  const auto t1 = Clock::now();
   RoundResult round = controller_.ProcessRound(messages);
   if (!round.stall_warning.empty()) logger_.Log(LogLevel::kWarning, round.stall_warning);
-  for (const Batch& batch : PlanBatches(std::move(round.ready), config_.fusion_threshold_bytes)) {
-    executor_.Execute(batch);
+  const size_t ready = round.ready.size();
+  std::vector<Batch> batches = PlanBatches(std::move(round.ready), config_.fusion_threshold_bytes);
+  const auto t2 = Clock::now();
+  for (const Batch& batch : batches) executor_.Execute(batch);
+  if (debug && !round.quiet) {
+    auto us = [](Clock::duration d) {
+      return std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(d).count());
+    };
+    logger_.Log(LogLevel::kDebug, "round: sent " + std::to_string(mine.requests.size()) +
+                                      " requests (" + std::to_string(raw[rank_].size()) + " bytes), " +
+                                      std::to_string(ready) + " ready in " +
+                                      std::to_string(batches.size()) + " batches; negotiate " +
+                                      us(t1 - t0) + " us, plan " + us(t2 - t1) + " us, execute " +
+                                      us(Clock::now() - t2) + " us");
   }
   if (round.shutdown) {
     Stop(Status(StatusCode::kShutdown, "hvdlite was shut down (requested by " +

@@ -43,6 +43,7 @@ class Executor {
   void Broadcast(std::vector<Local>& locals, CollectiveBackend* backend);
   void Allgather(Local& local, CollectiveBackend* backend);
   void Alltoall(Local& local, CollectiveBackend* backend);
+  void FromPayloads(Local& local);
   void Run(std::vector<Local>& locals, CollectiveBackend* backend);
   void Fail(std::vector<Local>& locals, const Status& status);
   c10::Stream EngineStream(c10::Device device);

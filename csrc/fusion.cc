@@ -8,7 +8,7 @@ namespace {
 
 bool Fusable(const ReadyItem& item) {
   const CollectiveKind kind = item.request.kind;
-  return item.status.ok() && (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kBroadcast ||
+  return item.status.ok() && !item.inlined && (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kBroadcast ||
                               kind == CollectiveKind::kReducescatter);
 }
 

@@ -9,6 +9,10 @@ constexpr uint32_t kMagic = 0x48564c31;  // "HVL1": catches a peer speaking some
 constexpr uint32_t kMaxNameBytes = 1u << 20;
 constexpr uint32_t kMaxDims = 64;
 constexpr uint32_t kMaxSplits = 1u << 20;
+constexpr uint32_t kMaxPayloadBytes = 1u << 20;
+constexpr uint8_t kTagFull = 0;
+constexpr uint8_t kTagCached = 1;         // cache id only: the common case in a training loop
+constexpr uint8_t kTagCachedInline = 2;   // cache id plus inline payload
 constexpr uint32_t kMaxRequests = 1u << 24;
 
 class Writer {
@@ -113,21 +117,41 @@ bool ReadRequest(Reader& in, Request* r) {
   return true;
 }
 
+bool ReadPayload(Reader& in, Request* r) {
+  uint8_t inlined = 0;
+  if (!in.Get(&inlined) || inlined > 1) return false;
+  r->inlined = inlined == 1;
+  return in.GetString(&r->payload, kMaxPayloadBytes);
+}
+
+void WritePayload(Writer& out, const Request& r) {
+  out.Put<uint8_t>(r.inlined ? 1 : 0);
+  out.PutString(r.payload);
+}
+
 }  // namespace
 
-bool Request::operator==(const Request& o) const {
+bool Request::SameAs(const Request& o) const {
   return name == o.name && kind == o.kind && dtype == o.dtype && device_type == o.device_type &&
          op == o.op && root == o.root && prescale == o.prescale && postscale == o.postscale &&
          shape == o.shape && group == o.group && group_size == o.group_size && splits == o.splits;
 }
 
-std::string EncodeRankMessage(const RankMessage& message) {
+std::string EncodeRankMessage(const RankMessage& message, const CacheLookup& lookup) {
   Writer out;
   out.Put<uint32_t>(kMagic);
   out.Put<uint32_t>(message.flags);
   out.Put<int64_t>(message.clock_ms);
   out.Put<uint32_t>(static_cast<uint32_t>(message.requests.size()));
   for (const Request& r : message.requests) {
+    const int32_t id = lookup ? lookup(r) : -1;
+    if (id >= 0) {
+      out.Put<uint8_t>(r.inlined ? kTagCachedInline : kTagCached);
+      out.Put<uint32_t>(static_cast<uint32_t>(id));
+      if (r.inlined) out.PutString(r.payload);
+      continue;
+    }
+    out.Put<uint8_t>(kTagFull);
     out.PutString(r.name);
     out.Put<uint8_t>(static_cast<uint8_t>(r.kind));
     out.Put<int8_t>(r.dtype);
@@ -142,11 +166,13 @@ std::string EncodeRankMessage(const RankMessage& message) {
     out.Put<int32_t>(r.group_size);
     out.Put<uint32_t>(static_cast<uint32_t>(r.splits.size()));
     for (int64_t n : r.splits) out.Put<int64_t>(n);
+    WritePayload(out, r);
   }
   return out.Take();
 }
 
-Status DecodeRankMessage(const char* data, size_t size, RankMessage* out) {
+Status DecodeRankMessage(const char* data, size_t size, RankMessage* out,
+                         const CacheResolve& resolve) {
   Reader in(data, size);
   uint32_t magic = 0, count = 0;
   RankMessage message;
@@ -157,7 +183,23 @@ Status DecodeRankMessage(const char* data, size_t size, RankMessage* out) {
   }
   message.requests.resize(count);
   for (uint32_t i = 0; i < count; ++i) {
-    if (!ReadRequest(in, &message.requests[i])) {
+    uint8_t tag = 0;
+    bool ok = in.Get(&tag);
+    if (ok && (tag == kTagCached || tag == kTagCachedInline)) {
+      uint32_t id = 0;
+      Request& r = message.requests[i];
+      ok = in.Get(&id) && resolve && resolve(id, &r);
+      r.inlined = tag == kTagCachedInline;
+      r.payload.clear();
+      if (ok && r.inlined) ok = in.GetString(&r.payload, kMaxPayloadBytes);
+      if (!ok) {
+        return Status(StatusCode::kInternal, "malformed control message: request " +
+                                                 std::to_string(i) + " refers to an unknown cached request");
+      }
+      continue;
+    }
+    if (!ok || tag != kTagFull || !ReadRequest(in, &message.requests[i]) ||
+        !ReadPayload(in, &message.requests[i])) {
       return Status(StatusCode::kInternal, "malformed control message: request " +
                                                std::to_string(i) + " of " +
                                                std::to_string(count) + " is corrupt");

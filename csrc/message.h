@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,9 +33,21 @@ struct Request {
   int32_t group_size = 0;
   // alltoall: rows of dimension 0 sent to each rank (one entry per rank).
   std::vector<int64_t> splits;
+  // Note [Inline small tensors]: a small CPU tensor's bytes ride along with its request, so
+  // when every rank inlined, the round that negotiates it also delivers everyone's data and no
+  // data collective is needed. `inlined` without bytes: a broadcast receiver that accepts this.
+  bool inlined = false;
+  std::string payload;
 
-  bool operator==(const Request& other) const;
+  // Equality of everything negotiated (the payload is data, not part of the agreement).
+  bool SameAs(const Request& other) const;
 };
+
+// Note [Response cache]: a request identical to the one a rank made for the same name when it
+// was last ready travels as a small id instead (see response_cache.h). These two callbacks
+// connect the encoding to the cache without the encoding knowing about it.
+using CacheLookup = std::function<int32_t(const Request&)>;          // -1: not cached
+using CacheResolve = std::function<bool(uint32_t id, Request* out)>;  // false: unknown id
 
 enum RankMessageFlags : uint32_t {
   kFlagShutdown = 1u << 0,        // this rank is shutting down; everyone stops after this round
@@ -47,7 +60,9 @@ struct RankMessage {
   std::vector<Request> requests;
 };
 
-std::string EncodeRankMessage(const RankMessage& message);
-Status DecodeRankMessage(const char* data, size_t size, RankMessage* out);
+std::string EncodeRankMessage(const RankMessage& message, const CacheLookup& lookup = nullptr);
+// Cached references are resolved through `resolve` (payloads are then taken from the message).
+Status DecodeRankMessage(const char* data, size_t size, RankMessage* out,
+                         const CacheResolve& resolve = nullptr);
 
 }  // namespace hvdlite

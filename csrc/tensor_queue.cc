@@ -22,6 +22,9 @@ Status TensorQueue::Push(std::vector<Entry> entries) {
                         "synchronize it first or use another name");
     }
   }
+  const auto now = std::chrono::steady_clock::now();
+  if (new_requests_.empty()) oldest_new_ = now;
+  newest_new_ = now;
   for (Entry& entry : entries) {
     new_requests_.push_back(entry.request);
     std::string name = entry.request.name;
@@ -45,6 +48,12 @@ bool TensorQueue::TakeEntry(const std::string& name, Entry* out) {
   *out = std::move(it->second);
   in_flight_.erase(it);
   return true;
+}
+
+std::pair<std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point>
+TensorQueue::NewSpan() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {oldest_new_, newest_new_};
 }
 
 bool TensorQueue::HasNew() {

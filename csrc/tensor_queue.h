@@ -46,6 +46,8 @@ class TensorQueue {
   bool TakeEntry(const std::string& name, Entry* out);
 
   bool HasNew();
+  // When the newest and the oldest of the requests not yet taken were pushed.
+  std::pair<std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point> NewSpan();
   bool HasInFlight();
   // Blocks until a push or Wake(), or until `deadline`.
   void WaitForWork(std::chrono::steady_clock::time_point deadline);
@@ -61,6 +63,7 @@ class TensorQueue {
   Status closed_;
   std::unordered_map<std::string, Entry> in_flight_;
   std::vector<Request> new_requests_;
+  std::chrono::steady_clock::time_point oldest_new_, newest_new_;
 };
 
 struct Completion {

@@ -418,13 +418,11 @@ def synchronize(handle):
     pending = state.handles.pop(handle, None)
     if pending is None:
         raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
-    outputs, error = [], None
-    for core_handle in pending.core_handles:
-        try:
-            outputs.append(pending.engine.wait(core_handle))
-        except Exception as exc:  # wait for every member before raising the first failure
-            error = error or exc
-            outputs.append((None, None))
-    if error is not None:
-        raise basics._explain(error, state)
+    try:
+        if len(pending.core_handles) == 1:
+            outputs = [pending.engine.wait(pending.core_handles[0])]
+        else:  # one call, GIL released once, for a whole group
+            outputs = pending.engine.wait_all(pending.core_handles)
+    except Exception as exc:
+        raise basics._explain(exc, state)
     return pending.finish(outputs)

@@ -34,9 +34,9 @@ def _allgather():
     return True
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_allgather_uneven_and_edge_shapes_match_reference(size):
-    assert all(run_ranks(size, __name__, "_allgather"))
+@pytest.mark.parametrize("size,inline", [(2, "512"), (3, "512"), (2, "0")])
+def test_allgather_uneven_and_edge_shapes_match_reference(size, inline):
+    assert all(run_ranks(size, __name__, "_allgather", env={"HVDLITE_INLINE_BYTES": inline}))
 
 
 def _broadcast():
@@ -68,6 +68,6 @@ def _broadcast():
     return True
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_broadcast_every_root_and_dtype_matches_reference(size):
-    assert all(run_ranks(size, __name__, "_broadcast"))
+@pytest.mark.parametrize("size,inline", [(2, "512"), (3, "512"), (2, "0")])
+def test_broadcast_every_root_and_dtype_matches_reference(size, inline):
+    assert all(run_ranks(size, __name__, "_broadcast", env={"HVDLITE_INLINE_BYTES": inline}))

@@ -30,9 +30,12 @@ def _every_dtype_and_op():
     return checked
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_allreduce_every_dtype_and_op_matches_reference(size):
-    assert run_ranks(size, __name__, "_every_dtype_and_op", timeout=120) == [len(DTYPES) * len(OPS)] * size
+@pytest.mark.parametrize("size,inline", [(2, "512"), (3, "512"), (2, "0")])
+def test_allreduce_every_dtype_and_op_matches_reference(size, inline):
+    # 15 elements: inlined in the negotiation round by default, through Gloo with inlining off
+    env = {"HVDLITE_INLINE_BYTES": inline}
+    assert run_ranks(size, __name__, "_every_dtype_and_op", timeout=120, env=env) == \
+        [len(DTYPES) * len(OPS)] * size
 
 
 def _edge_cases():

@@ -120,10 +120,16 @@ def _local_mistakes():
     with pytest.raises(ValueError, match="appears twice"):
         hvd.ops._submit("x", None, 0, [torch.ones(1), torch.ones(1)], [torch.ones(1), torch.ones(1)],
                         ["same", "same"], hvd.ops._tensors, group="g")
-    # the same name twice in flight on one rank
-    h = hvd.allreduce_async(torch.ones(2), name="busy")
-    with pytest.raises(ValueError, match="'busy': a collective with this name is already in flight"):
-        hvd.allreduce_async(torch.ones(2), name="busy")
+    # the same name twice in flight on one rank: rank 1 submits "busy" only after rank 0 has
+    # tried the duplicate (signalled by the "go" broadcast), so it cannot have completed
+    if rank == 0:
+        h = hvd.allreduce_async(torch.ones(2), name="busy")
+        with pytest.raises(ValueError, match="'busy': a collective with this name is already in flight"):
+            hvd.allreduce_async(torch.ones(2), name="busy")
+        hvd.broadcast(torch.ones(1), 0, name="go")
+    else:
+        hvd.broadcast(torch.ones(1), 0, name="go")
+        h = hvd.allreduce_async(torch.ones(2), name="busy")
     assert (hvd.synchronize(h) == 1).all()
     with pytest.raises(ValueError, match="unknown handle"):
         hvd.synchronize(h)

@@ -151,3 +151,41 @@ def test_config_defaults_and_strict_parsing():
                        ("HVDLITE_IDLE_HEARTBEAT_MS", "0")]:
         with pytest.raises(ValueError, match=f"invalid {var}='{value}'"):
             _core._parse_config({var: value})
+
+
+def test_response_cache_abbreviates_repeated_requests_and_falls_back_on_change():
+    c = _core._ControllerHarness(2, 0.0, 0.0, 8)
+    full_size, names = c.wire(0, msg(req("grad.w", shape=[64, 64])))
+    assert names == ["grad.w"]
+    c.round([msg(req("grad.w", shape=[64, 64])), msg(req("grad.w", shape=[64, 64]))])
+    cached_size, names = c.wire(0, msg(req("grad.w", shape=[64, 64])))
+    assert names == ["grad.w"] and cached_size < full_size - 20
+    changed_size, _ = c.wire(0, msg(req("grad.w", shape=[64, 65])))
+    assert changed_size == full_size  # another shape travels in full
+    # eviction: capacity 8, the least recently used name goes first
+    for i in range(8):
+        c.round([msg(req(f"n{i}")), msg(req(f"n{i}"))])
+    assert c.wire(0, msg(req("grad.w", shape=[64, 64])))[0] == full_size
+    assert c.wire(0, msg(req("n7")))[0] < c.wire(0, msg(req("n8")))[0]
+
+
+def test_cache_disabled_sends_everything_in_full():
+    c = _core._ControllerHarness(2, 0.0, 0.0, 0)
+    first = c.wire(0, msg(req("a")))[0]
+    c.round([msg(req("a")), msg(req("a"))])
+    assert c.wire(0, msg(req("a")))[0] == first
+
+
+def test_items_are_inlined_only_when_every_rank_sent_its_bytes():
+    c = _core._ControllerHarness(2)
+    r = c.round([msg(req("i", payload=b"\0" * 16)), msg(req("i", payload=b"\1" * 16))])
+    assert r["ready"][0]["inlined"]
+    r = c.round([msg(req("j", payload=b"\0" * 16)), msg(req("j"))])
+    assert not r["ready"][0]["inlined"]
+
+
+def test_config_cache_and_inline_knobs():
+    c = _core._parse_config({"HVDLITE_CACHE_CAPACITY": "0", "HVDLITE_INLINE_BYTES": "0"})
+    assert c["cache_capacity"] == 0 and c["inline_bytes"] == 0
+    with pytest.raises(ValueError, match="invalid HVDLITE_INLINE_BYTES='9999999'"):
+        _core._parse_config({"HVDLITE_INLINE_BYTES": "9999999"})

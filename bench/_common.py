@@ -1,0 +1,135 @@
+"""Shared pieces of the benchmarks: model shapes, timing, result tables.
+
+Every benchmark runs under `hvdliterun -np N`, initializes hvdlite *and* a plain
+torch.distributed Gloo group (from the MASTER_ADDR/MASTER_PORT the launcher exports), checks
+each method's result first, then times the methods interleaved round by round, so a noisy
+neighbour slows all of them alike. Reported: the median of each method, and ratios.
+"""
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import hvdlite as hvd
+
+
+def setup():
+    torch.set_num_threads(1)
+    hvd.init()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
+    return hvd.rank(), hvd.size()
+
+
+def resnet50_shapes():
+    """The 161 parameter (= gradient) shapes of torchvision's ResNet-50, in definition order."""
+    shapes = [(64, 3, 7, 7), (64,), (64,)]
+    in_ch = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for block in range(blocks):
+            out = width * 4
+            shapes += [(width, in_ch, 1, 1), (width,), (width,),
+                       (width, width, 3, 3), (width,), (width,),
+                       (out, width, 1, 1), (out,), (out,)]
+            if block == 0:
+                shapes += [(out, in_ch, 1, 1), (out,), (out,)]
+            in_ch = out
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+class MLP(torch.nn.Module):
+    """1024-4096-4096-1024: 25 M parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
+            torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
+            torch.nn.Linear(4096, 1024))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class SmallCNN(torch.nn.Module):
+    """8 convolutions with BatchNorm: about 1.2 M parameters, for 32x32 inputs."""
+
+    def __init__(self):
+        super().__init__()
+        layers, ch = [], 3
+        for out in (32, 32, 64, 64, 128, 128, 256, 256):
+            layers += [torch.nn.Conv2d(ch, out, 3, padding=1, bias=False), torch.nn.BatchNorm2d(out),
+                       torch.nn.ReLU()]
+            if out != ch and out in (64, 128, 256):
+                layers.append(torch.nn.MaxPool2d(2))
+            ch = out
+        self.features = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def timed(fn):
+    barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def barrier():
+    dist.barrier()
+
+
+def interleaved(methods, rounds, warmup=2):
+    """{name: fn} -> {name: [seconds per round]}, each round running every method once."""
+    for _ in range(warmup):
+        for fn in methods.values():
+            timed(fn)
+    times = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            times[name].append(timed(fn))
+    # every rank reports the slowest rank's time for each round
+    for name in times:
+        t = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times[name] = t.tolist()
+    return times
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def report(title, times, baseline, targets, out_path):
+    """Prints a table of medians and ratios to `baseline`; writes JSON. Returns the ratios."""
+    base = median(times[baseline])
+    rows, ratios = [], {}
+    for name, values in times.items():
+        med = median(values)
+        ratios[name] = med / base
+        target = targets.get(name)
+        verdict = "" if target is None else ("meets" if ratios[name] <= target else "MISSES") + f" <= {target}x"
+        rows.append((name, med * 1e3, ratios[name], verdict))
+    if hvd.rank() == 0:
+        print(f"\n{title}  (median of {len(times[baseline])} interleaved rounds, {hvd.size()} ranks)")
+        print(f"  {'method':<34}{'median ms':>12}{'x ' + baseline:>24}  target")
+        for name, ms, ratio, verdict in rows:
+            print(f"  {name:<34}{ms:>12.3f}{ratio:>24.3f}  {verdict}")
+        if out_path:
+            existing = {}
+            if os.path.exists(out_path):
+                with open(out_path) as f:
+                    existing = json.load(f)
+            existing[title] = {"baseline": baseline, "ranks": hvd.size(),
+                               "median_ms": {n: median(v) * 1e3 for n, v in times.items()},
+                               "ratio": ratios, "targets": targets}
+            with open(out_path, "w") as f:
+                json.dump(existing, f, indent=2)
+    return ratios

@@ -1,0 +1,57 @@
+#include "response_cache.h"
+
+namespace hvdlite {
+
+ResponseCache::ResponseCache(size_t capacity, int size) : capacity_(capacity), size_(size) {}
+
+int32_t ResponseCache::Lookup(int rank, const Request& request) const {
+  auto it = by_name_.find(request.name);
+  if (it == by_name_.end()) return -1;
+  const Entry& entry = entries_[it->second];
+  if (!entry.present[rank] || !entry.by_rank[rank].SameAs(request)) return -1;
+  return static_cast<int32_t>(it->second);
+}
+
+bool ResponseCache::Resolve(int rank, uint32_t id, Request* out) const {
+  if (id >= entries_.size() || rank < 0 || rank >= size_) return false;
+  const Entry& entry = entries_[id];
+  if (entry.name.empty() || !entry.present[rank]) return false;
+  *out = entry.by_rank[rank];
+  return true;
+}
+
+void ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank) {
+  if (capacity_ == 0) return;
+  const std::string& name = by_rank.front().name;
+  uint32_t id;
+  auto found = by_name_.find(name);
+  const bool is_new = found == by_name_.end();
+  if (!is_new) {
+    id = found->second;
+    recency_.erase(entries_[id].recency);
+  } else if (entries_.size() < capacity_) {
+    id = static_cast<uint32_t>(entries_.size());
+    entries_.emplace_back();
+  } else {
+    id = recency_.back();  // evict the least recently used name
+    recency_.pop_back();
+    by_name_.erase(entries_[id].name);
+  }
+  Entry& entry = entries_[id];
+  if (is_new) {
+    entry.name = name;
+    entry.by_rank.assign(size_, Request());
+    entry.present.assign(size_, false);
+    by_name_[name] = id;
+  }
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    entry.by_rank[ranks[i]] = by_rank[i];
+    entry.by_rank[ranks[i]].payload.clear();
+    entry.by_rank[ranks[i]].inlined = false;
+    entry.present[ranks[i]] = true;
+  }
+  recency_.push_front(id);
+  entry.recency = recency_.begin();
+}
+
+}  // namespace hvdlite

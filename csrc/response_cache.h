@@ -1,0 +1,54 @@
+// ResponseCache: the requests each rank made for names that were negotiated before, so a
+// repeated request travels as a 4-byte id instead of its full description.
+//
+// Note [Response cache]
+// Training loops submit the same names with the same shapes every step. Every rank keeps an
+// identical cache: the Controller records each ready name's per-rank requests in the order it
+// emits them, the same on every rank (Note [Replicated negotiation] in controller.h), so ids
+// and evictions agree everywhere without any extra message. A sender looks its new request up
+// in the cache as it stood after the previous round; receivers resolve ids against the same
+// state, because decoding happens before the round is processed. Anything that differs from
+// the cached request (a new name, another shape or op) is sent in full, and the cache entry is
+// replaced when that name is ready again. Least recently used entries are evicted past
+// HVDLITE_CACHE_CAPACITY (0 disables the cache). Background thread only; no locking.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "message.h"
+
+namespace hvdlite {
+
+class ResponseCache {
+ public:
+  ResponseCache(size_t capacity, int size);
+
+  // The id under which `rank` last made exactly this request, or -1.
+  int32_t Lookup(int rank, const Request& request) const;
+  // Fills `out` with `rank`'s request cached under `id`; false if there is none.
+  bool Resolve(int rank, uint32_t id, Request* out) const;
+  // Records the requests `ranks` made for a name that just became ready (by_rank[i] is
+  // ranks[i]'s; payloads are not kept).
+  void Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
+
+  size_t entries() const { return by_name_.size(); }
+
+ private:
+  struct Entry {
+    std::string name;
+    std::vector<Request> by_rank;
+    std::vector<bool> present;
+    std::list<uint32_t>::iterator recency;
+  };
+  size_t capacity_;
+  int size_;
+  std::vector<Entry> entries_;                       // indexed by id
+  std::unordered_map<std::string, uint32_t> by_name_;
+  std::list<uint32_t> recency_;                      // most recently used first
+};
+
+}  // namespace hvdlite
