@@ -92,6 +92,7 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
       return BadValue("HVDLITE_INLINE_BYTES", value, "at most 1048576 bytes");
     }
   }
+  if ((value = lookup("HVDLITE_TIMELINE")) && *value) config.timeline_path = value;
   if ((value = lookup("HVDLITE_LOG_LEVEL")) && *value) {
     status = ParseLogLevel("HVDLITE_LOG_LEVEL", value, &config.log_level);
     if (!status.ok()) return status;

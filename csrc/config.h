@@ -35,6 +35,8 @@ struct Config {
   // HVDLITE_INLINE_BYTES: CPU tensors up to this size travel inside the negotiation round
   // (Note [Inline small tensors]); 0 disables inlining.
   int64_t inline_bytes = 512;
+  // HVDLITE_TIMELINE: path of a Chrome trace to write (see timeline.h); empty: none.
+  std::string timeline_path;
   // HVDLITE_LOG_LEVEL: trace, debug, info, warning (default) or error.
   LogLevel log_level = LogLevel::kWarning;
 

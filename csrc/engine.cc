@@ -31,10 +31,11 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       control_backend_(std::move(control)),
       cpu_backend_(std::move(cpu)),
       cuda_backend_(std::move(cuda)),
+      timeline_(config.timeline_path, rank, size),
       channel_(control_backend_.get(), size),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
                   static_cast<size_t>(config.cache_capacity)),
-      executor_(rank, size, cpu_backend_.get(), cuda_backend_.get(), &queue_, &handles_) {
+      executor_(rank, size, cpu_backend_.get(), cuda_backend_.get(), &queue_, &handles_, &timeline_) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -69,6 +70,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     }
     entry.input = std::move(a.input);
     entry.output = std::move(a.output);
+    entry.enqueued_us = MonotonicMicros();
     entries.push_back(std::move(entry));
   }
   std::vector<int64_t> created;
@@ -212,6 +214,11 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   const size_t ready = round.ready.size();
   std::vector<Batch> batches = PlanBatches(std::move(round.ready), config_.fusion_threshold_bytes);
   const auto t2 = Clock::now();
+  if (timeline_.enabled() && !round.quiet) {
+    timeline_.Marker("rounds", "round", MonotonicMicros(),
+                     "{\"sent\": " + std::to_string(mine.requests.size()) + ", \"ready\": " +
+                         std::to_string(ready) + ", \"batches\": " + std::to_string(batches.size()) + "}");
+  }
   for (const Batch& batch : batches) executor_.Execute(batch);
   if (debug && !round.quiet) {
     auto us = [](Clock::duration d) {

@@ -39,6 +39,7 @@
 #include "executor.h"
 #include "logging.h"
 #include "tensor_queue.h"
+#include "timeline.h"
 
 namespace hvdlite {
 
@@ -96,6 +97,7 @@ class Engine {
   std::unique_ptr<CollectiveBackend> cuda_backend_;
   TensorQueue queue_;
   HandleTable handles_;
+  Timeline timeline_;
   ControlChannel channel_;
   Controller controller_;
   Executor executor_;

@@ -84,8 +84,31 @@ std::pair<int64_t, int64_t> ScatterRange(int64_t rows, int rank, int size) {
 }  // namespace
 
 Executor::Executor(int rank, int size, CollectiveBackend* cpu, CollectiveBackend* cuda,
-                   TensorQueue* queue, HandleTable* handles)
-    : rank_(rank), size_(size), cpu_(cpu), cuda_(cuda), queue_(queue), handles_(handles) {}
+                   TensorQueue* queue, HandleTable* handles, Timeline* timeline)
+    : rank_(rank),
+      size_(size),
+      cpu_(cpu),
+      cuda_(cuda),
+      queue_(queue),
+      handles_(handles),
+      timeline_(timeline) {}
+
+void Executor::Trace(const std::vector<Local>& locals, int64_t start_us, int64_t end_us) {
+  for (const Local& local : locals) {
+    if (local.neutral) continue;
+    const std::string& row = local.item->request.name;
+    timeline_->Span(row, "NEGOTIATE", local.entry.enqueued_us, start_us);
+    if (local.item->inlined) {
+      timeline_->Span(row, "INLINE", start_us, end_us);
+    } else if (collective_start_us_ == 0) {
+      timeline_->Span(row, "EXECUTE", start_us, end_us);
+    } else {
+      timeline_->Span(row, "COPY_IN", start_us, collective_start_us_);
+      timeline_->Span(row, "COLLECTIVE", collective_start_us_, collective_end_us_);
+      timeline_->Span(row, "COPY_OUT", collective_end_us_, end_us);
+    }
+  }
+}
 
 CollectiveBackend* Executor::BackendFor(c10::Device device) {
   return device.is_cpu() ? cpu_ : cuda_;
@@ -182,6 +205,8 @@ void Executor::Execute(const Batch& batch) {
     stream_guard.emplace(stream);
   }
 
+  const int64_t start_us = timeline_->enabled() ? MonotonicMicros() : 0;
+  collective_start_us_ = collective_end_us_ = 0;
   try {
     Run(locals, backend);
   } catch (const std::exception& e) {
@@ -201,6 +226,7 @@ void Executor::Execute(const Batch& batch) {
       if (local.entry.output.defined()) local.entry.output.record_stream(stream);
     }
   }
+  if (timeline_->enabled()) Trace(locals, start_us, MonotonicMicros());
   for (Local& local : locals) {
     if (local.neutral) continue;
     handles_->Complete(local.entry.handle,
@@ -308,7 +334,9 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     // One tensor: reduce straight in the output, no fusion buffer.
     if (!first.output.is_same(first.input)) first.output.copy_(first.input);
     Scale(first.output, request.prescale);
+    CollectiveStarts();
     backend->Allreduce(first.output, wire_op);
+    CollectiveEnds();
     Postprocess(first.output, average, item.contributors, request.postscale);
     return;
   }
@@ -322,7 +350,9 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   }
   if (total > 0) {
     Scale(buffer, request.prescale);
+    CollectiveStarts();
     backend->Allreduce(buffer, wire_op);
+    CollectiveEnds();
     Postprocess(buffer, average, item.contributors, request.postscale);
   }
   offset = 0;
@@ -348,7 +378,9 @@ void Executor::Broadcast(std::vector<Local>& locals, CollectiveBackend* backend)
   Entry& first = locals.front().entry;
   if (locals.size() == 1 && first.output.is_contiguous()) {
     if (is_root && !first.output.is_same(first.input)) first.output.copy_(first.input);
+    CollectiveStarts();
     backend->Broadcast(first.output, root);
+    CollectiveEnds();
     return;
   }
   at::Tensor buffer = buffers_.Get(first.input.device(), first.input.scalar_type(), total);
@@ -359,7 +391,9 @@ void Executor::Broadcast(std::vector<Local>& locals, CollectiveBackend* backend)
       offset += local.entry.input.numel();
     }
   }
+  CollectiveStarts();
   backend->Broadcast(buffer, root);
+  CollectiveEnds();
   offset = 0;
   for (Local& local : locals) {
     if (!(is_root && local.entry.output.is_same(local.entry.input))) {
@@ -396,7 +430,9 @@ void Executor::Allgather(Local& local, CollectiveBackend* backend) {
   send.narrow(0, 0, input.numel()).view(input.sizes()).copy_(input);
   std::vector<at::Tensor> slots;
   for (int r = 0; r < size_; ++r) slots.push_back(receive.narrow(0, r * slot, slot));
+  CollectiveStarts();
   backend->Allgather(send, slots);
+  CollectiveEnds();
   if (!even) {
     int64_t offset = 0;
     for (int r = 0; r < size_; ++r) {
@@ -425,7 +461,9 @@ void Executor::Alltoall(Local& local, CollectiveBackend* backend) {
   if (moved > 0 && row > 0) {
     // c10d may move from the split vectors it is given: hand it copies.
     std::vector<int64_t> output_splits = receive_splits;
+    CollectiveStarts();
     backend->Alltoall(output, input, output_splits, send_splits);
+    CollectiveEnds();
   }
   local.entry.output = output;
   local.aux = std::move(receive_splits);

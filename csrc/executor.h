@@ -18,6 +18,7 @@
 #include "backend.h"
 #include "fusion.h"
 #include "tensor_queue.h"
+#include "timeline.h"
 
 namespace hvdlite {
 
@@ -25,7 +26,7 @@ class Executor {
  public:
   // `cuda` may be null when the job has no CUDA process group.
   Executor(int rank, int size, CollectiveBackend* cpu, CollectiveBackend* cuda, TensorQueue* queue,
-           HandleTable* handles);
+           HandleTable* handles, Timeline* timeline);
 
   void Execute(const Batch& batch);
   void ReleaseBuffers() { buffers_.Clear(); }
@@ -47,6 +48,10 @@ class Executor {
   void Run(std::vector<Local>& locals, CollectiveBackend* backend);
   void Fail(std::vector<Local>& locals, const Status& status);
   c10::Stream EngineStream(c10::Device device);
+  // Timeline: brackets the collective itself inside a batch's execution.
+  void CollectiveStarts() { collective_start_us_ = timeline_->enabled() ? MonotonicMicros() : 0; }
+  void CollectiveEnds() { collective_end_us_ = timeline_->enabled() ? MonotonicMicros() : 0; }
+  void Trace(const std::vector<Local>& locals, int64_t start_us, int64_t end_us);
 
   int rank_;
   int size_;
@@ -56,6 +61,9 @@ class Executor {
   HandleTable* handles_;
   FusionBufferPool buffers_;
   std::map<std::pair<int, int>, c10::Stream> streams_;
+  Timeline* timeline_;
+  int64_t collective_start_us_ = 0;
+  int64_t collective_end_us_ = 0;
 };
 
 }  // namespace hvdlite

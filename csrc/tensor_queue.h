@@ -32,6 +32,7 @@ struct Entry {
   at::Tensor input;
   at::Tensor output;  // allreduce/broadcast: allocated by Python (the input itself if in place)
   std::shared_ptr<c10::Event> ready_event;  // non-CPU tensors: recorded on the caller's stream
+  int64_t enqueued_us = 0;                  // for the timeline
 };
 
 class TensorQueue {

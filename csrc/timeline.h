@@ -1,0 +1,40 @@
+// Timeline: an optional Chrome trace of what the engine did (HVDLITE_TIMELINE=path), to open
+// in Perfetto or chrome://tracing. One file per rank ("trace.json" becomes "trace.rank1.json"
+// in a job of several ranks), pid = rank. Rows: one per tensor name, with its NEGOTIATE span
+// (enqueue until every rank had submitted it) and its execution phases (COPY_IN, COLLECTIVE,
+// COPY_OUT, or INLINE for tensors that travelled inside the negotiation round), and a
+// "rounds" row with one marker per negotiation round that did something.
+// Written only by the background thread; when disabled every call returns at once.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <unordered_map>
+
+namespace hvdlite {
+
+int64_t MonotonicMicros();
+
+class Timeline {
+ public:
+  Timeline(const std::string& path, int rank, int size);
+  ~Timeline();
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+
+  bool enabled() const { return file_ != nullptr; }
+  void Span(const std::string& row, const char* name, int64_t start_us, int64_t end_us);
+  void Marker(const std::string& row, const char* name, int64_t at_us, const std::string& args_json);
+
+ private:
+  int Row(const std::string& row);
+  void Write(const std::string& event);
+
+  std::FILE* file_ = nullptr;
+  int rank_;
+  bool first_ = true;
+  std::unordered_map<std::string, int> rows_;
+};
+
+}  // namespace hvdlite

@@ -1,0 +1,42 @@
+"""HVDLITE_TIMELINE writes a Chrome trace per rank that Perfetto / chrome://tracing can open."""
+
+import json
+
+import torch
+
+import hvdlite as hvd
+from tests.harness import run_ranks
+
+
+def _traced():
+    hvd.init()
+    rank = hvd.rank()
+    hvd.allreduce(torch.ones(4), name="tiny")                      # inlined in the round
+    hvd.allreduce(torch.ones(100_000), name="big")                 # through Gloo
+    handles = [hvd.allreduce_async(torch.ones(1000), name=f"grad.{i}") for i in range(5)]
+    for h in handles:
+        hvd.synchronize(h)
+    hvd.allgather(torch.ones(rank + 1, 300), name="gathered")
+    hvd.shutdown()
+    return True
+
+
+def test_timeline_is_a_valid_chrome_trace_with_per_tensor_phases(tmp_path):
+    path = str(tmp_path / "trace.json")
+    assert all(run_ranks(2, __name__, "_traced", env={"HVDLITE_TIMELINE": path}))
+    for rank in range(2):
+        with open(tmp_path / f"trace.rank{rank}.json") as f:
+            events = json.load(f)
+        rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        assert {"tiny", "big", "gathered", "rounds"} <= set(rows.values()) and \
+            {f"grad.{i}" for i in range(5)} <= set(rows.values())
+        spans = {}
+        for e in events:
+            if e.get("ph") == "X":
+                assert e["pid"] == rank and e["dur"] >= 0 and e["ts"] > 0
+                spans.setdefault(rows[e["tid"]], []).append(e["name"])
+        assert spans["tiny"] == ["NEGOTIATE", "INLINE"]
+        assert spans["big"] == ["NEGOTIATE", "COPY_IN", "COLLECTIVE", "COPY_OUT"]
+        assert spans["gathered"][0] == "NEGOTIATE" and "COLLECTIVE" in spans["gathered"]
+        assert any(e.get("name") == "round" and e["ph"] == "i" for e in events)
+
