@@ -16,10 +16,10 @@ fields, each a 4-byte big-endian length followed by its bytes.
   1. The server sends [MAGIC, nonce] with a fresh 32-byte random nonce per connection.
   2. The client answers [rank, HMAC-SHA256(secret, nonce + b"|" + rank)]; rank is decimal ASCII
      (-1 for a client that is not a rank). The secret itself never crosses the wire.
-  3. The server compares the MAC with hmac.compare_digest. On a match it answers [b"OK"] and
-     records the rank as arrived; otherwise it closes the connection without reading anything
-     else. Frames before authentication are limited to a few hundred bytes, and the handshake
-     to HANDSHAKE_TIMEOUT seconds.
+  3. The server compares the MAC with hmac.compare_digest. On a match it records the rank as
+     arrived, then answers [b"OK"] (so a client holding its OK is already counted); otherwise
+     it closes the connection without reading anything else. Frames before authentication are
+     limited to a few hundred bytes, and the handshake to HANDSHAKE_TIMEOUT seconds.
   4. Requests are [op, args...]; replies are [b"OK", results...], [b"TIMEOUT", message] or
      [b"ERR", message]. Blocking ops (GET, WAIT) carry their timeout in milliseconds (0 = none);
      the server does the waiting, so the client needs no polling.
@@ -257,6 +257,7 @@ class RendezvousServer:
             thread.start()
 
     def _authenticate(self, conn: socket.socket) -> Optional[int]:
+        """The rank the client proved it may join as, or None; the caller sends the OK."""
         conn.settimeout(HANDSHAKE_TIMEOUT)
         nonce = os.urandom(32)
         try:
@@ -267,12 +268,9 @@ class RendezvousServer:
             rank_text, mac = reply
             if not hmac.compare_digest(mac, _mac(self.secret, nonce, rank_text)):
                 return None
-            rank = int(rank_text)
-            send_frame(conn, [b"OK"])
+            return int(rank_text)
         except (OSError, ValueError, ConnectionError):
             return None
-        conn.settimeout(None)
-        return rank
 
     def _serve(self, conn: socket.socket) -> None:
         with self._state_lock:
@@ -283,9 +281,14 @@ class RendezvousServer:
                 with self._state_lock:
                     self._refused += 1
                 return
-            if rank >= 0:
+            if rank >= 0:  # counted before the OK: Note [Rendezvous wire protocol], step 3
                 with self._state_lock:
                     self._arrived.setdefault(rank, time.monotonic())
+            try:
+                send_frame(conn, [b"OK"])
+            except (OSError, ConnectionError):
+                return
+            conn.settimeout(None)
             while not self._stopping.is_set():
                 try:
                     request = recv_frame(conn)
