@@ -78,6 +78,8 @@ def _check_name(fn, name):
 
 
 def _check_scale(fn, arg, value):
+    if value == 1.0 and type(value) in (float, int):  # the common case, without ABC checks
+        return 1.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__}")
     value = float(value)
@@ -133,7 +135,7 @@ def _runtime(fn, process_set):
 def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=0, prescale=1.0,
             postscale=1.0, group="", splits=()):
     state, runtime = _runtime(fn, process_set)
-    devices = {t.device.type for t in inputs}
+    devices = {inputs[0].device.type} if len(inputs) == 1 else {t.device.type for t in inputs}
     if "cuda" in devices and runtime.groups[2] is None:
         raise ValueError(f"{fn}: CUDA tensors need an NCCL process group, and this job has none "
                          "(torch.cuda.is_available() was False at hvdlite.init())")
