@@ -89,6 +89,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
@@ -140,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--fusion-threshold-mb", type=_positive_float, metavar="MB",
                       help="fuse small tensors into buffers up to this size "
                            "(HVDLITE_FUSION_THRESHOLD, in bytes; core default 64)")
-    core.add_argument("--cycle-time-ms", type=_positive_float, metavar="MS",
-                      help="background cycle time (HVDLITE_CYCLE_TIME)")
+    core.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
+                      help="shortest time between two busy negotiation rounds; 0 runs each round "
+                           "as soon as the previous one ends (HVDLITE_CYCLE_TIME)")
     core.add_argument("--timeline-filename", metavar="FILE",
                       help="write a Chrome trace timeline (HVDLITE_TIMELINE)")
     core.add_argument("--stall-check-time-seconds", type=_positive_float, metavar="SECONDS",

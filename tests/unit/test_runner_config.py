@@ -68,3 +68,10 @@ def test_exportable_drops_host_specific_variables():
            "DISPLAY": ":0", "BASH_FUNC_f%%": "() {}", "PATH": "/bin", "HVDLITE_RANK": "1",
            "MY_VAR": "v"}
     assert exportable(env) == {"PATH": "/bin", "HVDLITE_RANK": "1", "MY_VAR": "v"}
+
+
+def test_cycle_time_zero_is_allowed_and_negative_is_not():
+    config, _ = parse_config(["-np", "1", "--cycle-time-ms", "0", "x"])
+    assert config.knobs.core_env() == {"HVDLITE_CYCLE_TIME": "0"}
+    with pytest.raises(UsageError, match="must be a number >= 0"):
+        parse_config(["-np", "1", "--cycle-time-ms", "-1", "x"])
