@@ -52,7 +52,7 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
         (direct if _engine_carries(tensor) else pickled).append((name, tensor.detach()))
     handles = [ops.broadcast_async_(t, root, name=f"broadcast_parameters.{name}",
                                     process_set=process_set) for name, t in direct]
-    _wait_all(handles)
+    ops._synchronize_all(handles)
     if pickled:  # dtypes the engine does not carry (bool, int16, complex, sparse): by value
         mine = {n: t.cpu() for n, t in pickled} if basics.rank() == root else None
         values = broadcast_object(mine, root, name="broadcast_parameters.pickled",
@@ -111,7 +111,7 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
         for group, hyper in zip(optimizer.param_groups, description["hyper"]):
             for key, value in hyper.items():
                 _set_hyperparameter(group, key, value)
-    _wait_all(handles)
+    ops._synchronize_all(handles)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
@@ -139,7 +139,7 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     h_sizes = ops.allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
                                   name=name + ".sizes", process_set=process_set)
     h_bytes = ops.allgather_async(payload, name=name + ".bytes", process_set=process_set)
-    sizes, data = _wait_all([h_sizes, h_bytes])
+    sizes, data = ops._synchronize_all([h_sizes, h_bytes])
     result, start = [], 0
     for size in sizes.tolist():
         result.append(_from_bytes(data[start:start + size]))
@@ -160,19 +160,6 @@ def _check_root(fn, root_rank):
 
 def _engine_carries(tensor):
     return tensor.layout == torch.strided and tensor.dtype in _CARRIED_DTYPES
-
-
-def _wait_all(handles):
-    """Waits for every handle, then raises the first failure; returns the results."""
-    results, error = [], None
-    for h in handles:
-        try:
-            results.append(ops.synchronize(h))
-        except Exception as exc:
-            error = error or exc
-    if error is not None:
-        raise error
-    return results
 
 
 def _to_bytes(obj):

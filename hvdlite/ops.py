@@ -410,6 +410,20 @@ def poll(handle):
     return all(pending.engine.poll(h) for h in pending.core_handles)
 
 
+def _synchronize_all(handles):
+    """Synchronizes every handle, then raises the first failure; returns the results in order."""
+    results, error = [], None
+    for handle in handles:
+        try:
+            results.append(synchronize(handle))
+        except Exception as exc:  # every handle is consumed before raising
+            error = error or exc
+            results.append(None)
+    if error is not None:
+        raise error
+    return results
+
+
 def synchronize(handle):
     """Waits for the operation behind ``handle`` and returns its result (GIL released).
 

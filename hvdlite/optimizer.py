@@ -368,14 +368,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compression, shape = self._compression, grad.shape
 
         def finish(_result):
-            results, error = [], None
-            for h in (h_indices, h_values):  # wait for both before raising
-                try:
-                    results.append(ops.synchronize(h))
-                except Exception as exc:
-                    error = error or exc
-            if error is not None:
-                raise error
+            results = ops._synchronize_all((h_indices, h_values))  # both, before raising
             gathered = compression.decompress(results[1], ctx)
             p.grad = torch.sparse_coo_tensor(results[0].t(), gathered * scale, shape).coalesce()
 

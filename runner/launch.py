@@ -79,24 +79,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _float_at_least(text: str, minimum: float, strict: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    if not (value > minimum if strict else value >= minimum) or value == float("inf"):
+        wanted = "a positive number" if strict else f"a number >= {minimum:g}"
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _float_at_least(text, 0.0, strict=True)
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+    return _float_at_least(text, 0.0, strict=False)
 
 
 def _port(text: str) -> int:
