@@ -116,3 +116,27 @@ class Job:
 
 def run_ranks(size, module, attr, *args, timeout=60, env=None):
     return Job(size, module, attr, *args, env=env).wait(timeout=timeout)
+
+
+def run_checks_in_ranks(module, names):
+    """Runs module.<name>() for each name inside one hvdlite job (call it from the ranks).
+
+    Returns {name: None or 'rank r: traceback'}, so one job of N ranks can report many checks
+    as separate pytest tests (see tests/multirank/test_optimizer.py).
+    """
+    import traceback
+
+    import pytest
+
+    import hvdlite as hvd
+
+    hvd.init()
+    outcomes = {}
+    for name in names:
+        try:
+            getattr(module, name)()
+            outcomes[name] = None
+        except (Exception, pytest.fail.Exception):  # pytest.raises fails with a BaseException
+            outcomes[name] = f"rank {hvd.rank()}: {traceback.format_exc()}"
+    hvd.shutdown()
+    return outcomes

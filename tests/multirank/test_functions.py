@@ -2,7 +2,7 @@
 and 3 ranks. Values are checked on every rank against what the root holds (shipped with
 broadcast_object, itself checked first against values every rank can compute)."""
 
-import traceback
+import sys
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hvdlite as hvd
+from tests import harness
 from tests.harness import run_ranks
 
 
@@ -141,16 +142,7 @@ CHECKS = [name for name in dir() if name.startswith("check_")]
 
 
 def _run_checks():
-    hvd.init()
-    outcomes = {}
-    for name in CHECKS:
-        try:
-            globals()[name]()
-            outcomes[name] = None
-        except (Exception, pytest.fail.Exception):  # pytest.raises fails with a BaseException
-            outcomes[name] = f"rank {hvd.rank()}: {traceback.format_exc()}"
-    hvd.shutdown()
-    return outcomes
+    return harness.run_checks_in_ranks(sys.modules[__name__], CHECKS)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")

@@ -7,7 +7,7 @@ ranks is the slow part); each check's outcome comes back by name and is its own 
 """
 
 import contextlib
-import traceback
+import sys
 import warnings
 
 import pytest
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hvdlite as hvd
+from tests import harness
 from tests.harness import run_ranks
 
 STEPS = 3
@@ -251,16 +252,7 @@ CHECKS = [name for name in dir() if name.startswith("check_")]
 
 def _run_checks():
     torch.set_default_dtype(torch.float32)
-    hvd.init()
-    outcomes = {}
-    for name in CHECKS:
-        try:
-            globals()[name]()
-            outcomes[name] = None
-        except (Exception, pytest.fail.Exception):  # pytest.raises fails with a BaseException
-            outcomes[name] = f"rank {hvd.rank()}: {traceback.format_exc()}"
-    hvd.shutdown()
-    return outcomes
+    return harness.run_checks_in_ranks(sys.modules[__name__], CHECKS)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
