@@ -26,8 +26,9 @@ class CollectiveBackend {
   // outputs[r] receives rank r's input; all have the input's size.
   virtual void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) = 0;
   // Rows of dimension 0: input rows input_splits[r] go to rank r, output_splits[r] come from it.
-  virtual void Alltoall(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
-                        std::vector<int64_t>& input_splits) = 0;
+  virtual void Alltoall(at::Tensor& output, at::Tensor& input,
+                        const std::vector<int64_t>& output_splits,
+                        const std::vector<int64_t>& input_splits) = 0;
   virtual std::string name() const = 0;
 };
 

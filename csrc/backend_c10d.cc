@@ -1,5 +1,7 @@
 #include "backend_c10d.h"
 
+#include <ATen/ops/empty.h>
+
 namespace hvdlite {
 namespace {
 
@@ -12,34 +14,56 @@ c10d::ReduceOp ToC10d(ReduceOp op) {
   }
 }
 
+// Note [Tensors handed to c10d]: a backend's worker thread may drop its reference to a tensor
+// after the collective reports completion. If that is the last reference to a tensor Python
+// created, torch takes the GIL to free the Python object, and a thread that holds the GIL
+// while waiting for that worker (a process group being destroyed from Python) deadlocks with
+// it. So c10d only ever gets tensors without a Python object: a new tensor on the same storage
+// (not a view: a view keeps a reference to its base, the Python tensor).
+at::Tensor Unowned(const at::Tensor& t) {
+  at::Tensor alias = at::empty({0}, t.options());
+  alias.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+  return alias;
+}
+
+std::vector<at::Tensor> Unowned(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> aliases;
+  aliases.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) aliases.push_back(Unowned(t));
+  return aliases;
+}
+
 class C10dBackend final : public CollectiveBackend {
  public:
   explicit C10dBackend(c10::intrusive_ptr<c10d::Backend> backend) : backend_(std::move(backend)) {}
 
   void Allreduce(at::Tensor& tensor, ReduceOp op) override {
-    std::vector<at::Tensor> tensors{tensor};
+    std::vector<at::Tensor> tensors{Unowned(tensor)};
     c10d::AllreduceOptions options;
     options.reduceOp = ToC10d(op);
     Finish(backend_->allreduce(tensors, options));
   }
 
   void Broadcast(at::Tensor& tensor, int root) override {
-    std::vector<at::Tensor> tensors{tensor};
+    std::vector<at::Tensor> tensors{Unowned(tensor)};
     c10d::BroadcastOptions options;
     options.rootRank = root;
     Finish(backend_->broadcast(tensors, options));
   }
 
   void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) override {
-    std::vector<at::Tensor> inputs{input};
-    std::vector<std::vector<at::Tensor>> output_lists{outputs};
+    std::vector<at::Tensor> inputs{Unowned(input)};
+    std::vector<std::vector<at::Tensor>> output_lists{Unowned(outputs)};
     Finish(backend_->allgather(output_lists, inputs));
-    // Gloo writes into the tensors it was given, which alias `outputs`; nothing to copy back.
+    // The backend wrote into the storage of `outputs`; nothing to copy back.
   }
 
-  void Alltoall(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
-                std::vector<int64_t>& input_splits) override {
-    Finish(backend_->alltoall_base(output, input, output_splits, input_splits));
+  void Alltoall(at::Tensor& output, at::Tensor& input, const std::vector<int64_t>& output_splits,
+                const std::vector<int64_t>& input_splits) override {
+    // c10d may move from the split vectors it is given: it gets copies.
+    std::vector<int64_t> output_counts = output_splits, input_counts = input_splits;
+    at::Tensor out = Unowned(output), in = Unowned(input);
+    Finish(backend_->alltoall_base(out, in, output_counts, input_counts));
   }
 
   std::string name() const override { return backend_->getBackendName(); }

@@ -40,18 +40,6 @@ void Postprocess(at::Tensor& t, bool average, int contributors, double postscale
   }
 }
 
-// Note [Tensors handed to c10d]: a backend's worker thread may drop its reference to a tensor
-// after the collective reports completion. If that is the last reference to a tensor Python
-// created, torch takes the GIL to free the Python object, and a thread that holds the GIL
-// while waiting for that worker (a process group being destroyed from Python) deadlocks with
-// it. So the backend only ever gets tensors this library created: buffers, or a new tensor on
-// the caller's storage. Not a view: a view keeps a reference to its base, the Python tensor.
-at::Tensor Unowned(const at::Tensor& t) {
-  at::Tensor alias = at::empty({0}, t.options());
-  alias.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
-  return alias;
-}
-
 // Views a flat slice with the entry's shape (0-d tensors have one element).
 at::Tensor Shaped(const at::Tensor& flat, int64_t offset, const at::Tensor& like) {
   return flat.narrow(0, offset, like.numel()).view(like.sizes());
@@ -346,9 +334,8 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     // One tensor: reduce straight in the output, no fusion buffer.
     if (!first.output.is_same(first.input)) first.output.copy_(first.input);
     Scale(first.output, request.prescale);
-    at::Tensor wire = Unowned(first.output);
     CollectiveStarts();
-    backend->Allreduce(wire, wire_op);
+    backend->Allreduce(first.output, wire_op);
     CollectiveEnds();
     Postprocess(first.output, average, item.contributors, request.postscale);
     return;
@@ -391,9 +378,8 @@ void Executor::Broadcast(std::vector<Local>& locals, CollectiveBackend* backend)
   Entry& first = locals.front().entry;
   if (locals.size() == 1 && first.output.is_contiguous()) {
     if (is_root && !first.output.is_same(first.input)) first.output.copy_(first.input);
-    at::Tensor wire = Unowned(first.output);
     CollectiveStarts();
-    backend->Broadcast(wire, root);
+    backend->Broadcast(first.output, root);
     CollectiveEnds();
     return;
   }
@@ -466,18 +452,15 @@ void Executor::Alltoall(Local& local, CollectiveBackend* backend) {
     received_rows += receive_splits[s];
     for (int64_t n : matrix[s]) moved += n;
   }
-  at::Tensor input = Unowned(local.entry.input.contiguous());  // Note [Tensors handed to c10d]
+  at::Tensor input = local.entry.input.contiguous();
   std::vector<int64_t> out_shape = input.sizes().vec();
   out_shape[0] = received_rows;
   at::Tensor output = at::empty(out_shape, input.options().memory_format(at::MemoryFormat::Contiguous));
   int64_t row = 1;
   for (size_t d = 1; d < out_shape.size(); ++d) row *= out_shape[d];
   if (moved > 0 && row > 0) {
-    // c10d may move from the split vectors it is given: hand it copies.
-    std::vector<int64_t> output_splits = receive_splits;
-    at::Tensor wire = Unowned(output);  // the output is handed to Python afterwards
     CollectiveStarts();
-    backend->Alltoall(wire, input, output_splits, send_splits);
+    backend->Alltoall(output, input, receive_splits, send_splits);
     CollectiveEnds();
   }
   local.entry.output = output;
