@@ -225,22 +225,24 @@ void Controller::Erase(const std::string& name) {
   pending_.erase(it);
 }
 
-ReadyItem Controller::MakeReady(const Pending& pending) {
+ReadyItem Controller::MakeReady(Pending& pending) {
+  // The pending entry is erased once the item is made: its requests are moved, not copied.
   ReadyItem item;
   std::vector<int> ranks;
   std::vector<Request> requests;
   for (int r = 0; r < size_; ++r) {
     if (pending.submitted[r]) {
       ranks.push_back(r);
-      requests.push_back(pending.by_rank[r]);
+      requests.push_back(std::move(pending.by_rank[r]));
     } else {
       item.joined.push_back(r);
     }
   }
   item.request = requests.front();
+  item.request.payload.clear();
   item.contributors = static_cast<int>(ranks.size());
   const Request& request = item.request;
-  const std::string subject = std::string(KindName(request.kind)) + " of '" + request.name + "': ";
+  auto subject = [&] { return std::string(KindName(request.kind)) + " of '" + request.name + "': "; };
   std::string mismatch = CheckAgreement(ranks, requests);
   if (!mismatch.empty()) {
     item.status = Status(StatusCode::kMismatch, mismatch);
@@ -256,8 +258,7 @@ ReadyItem Controller::MakeReady(const Pending& pending) {
   if (inlinable && item.joined.empty() &&
       std::all_of(requests.begin(), requests.end(), [](const Request& r) { return r.inlined; })) {
     item.inlined = true;
-    for (const Request& r : requests) item.payloads.push_back(r.payload);
-    item.request.payload.clear();
+    for (Request& r : requests) item.payloads.push_back(std::move(r.payload));
   }
   if (request.kind == CollectiveKind::kJoin) {
     item.last_joined = last_joined_;
@@ -265,29 +266,28 @@ ReadyItem Controller::MakeReady(const Pending& pending) {
     last_joined_ = -1;
   } else if (request.kind == CollectiveKind::kBroadcast &&
              std::find(item.joined.begin(), item.joined.end(), request.root) != item.joined.end()) {
-    item.status = Status(StatusCode::kMismatch, subject + "root rank " + std::to_string(request.root) +
+    item.status = Status(StatusCode::kMismatch, subject() + "root rank " + std::to_string(request.root) +
                                                     " has already joined and has no tensor to send");
   } else if (request.kind == CollectiveKind::kAllgather) {
-    for (int r = 0; r < size_; ++r) {
-      const auto& shape = pending.by_rank[r].shape;
-      item.rank_dim0.push_back(!pending.submitted[r] ? 0 : shape.empty() ? 1 : shape[0]);
+    item.rank_dim0.assign(size_, 0);  // joined ranks send no rows
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const auto& shape = requests[i].shape;
+      item.rank_dim0[ranks[i]] = shape.empty() ? 1 : shape[0];
     }
   } else if (request.kind == CollectiveKind::kAlltoall) {
-    for (int r = 0; r < size_; ++r) {
-      if (!pending.submitted[r]) {
-        item.rank_splits.emplace_back(size_, 0);
-        continue;
-      }
-      const Request& mine = pending.by_rank[r];
+    item.rank_splits.assign(size_, std::vector<int64_t>(size_, 0));  // joined ranks send nothing
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const int r = ranks[i];
+      const Request& mine = requests[i];
       int64_t rows = 0;
       for (int64_t n : mine.splits) rows += n;
       if (static_cast<int>(mine.splits.size()) != size_ || mine.shape.empty() || rows != mine.shape[0]) {
         item.status = Status(StatusCode::kMismatch,
-                             subject + "rank " + std::to_string(r) + " sent splits that do not cover " +
+                             subject() + "rank " + std::to_string(r) + " sent splits that do not cover " +
                                  ShapeString(mine.shape) + " across " + std::to_string(size_) + " ranks");
         return item;
       }
-      item.rank_splits.push_back(mine.splits);
+      item.rank_splits[r] = mine.splits;
     }
   }
   return item;

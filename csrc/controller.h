@@ -92,7 +92,7 @@ class Controller {
   // Emits (and forgets) the pending names that are now complete, in arrival order.
   void ReleaseCompleted(std::vector<ReadyItem>* ready);
   void Erase(const std::string& name);
-  ReadyItem MakeReady(const Pending& pending);
+  ReadyItem MakeReady(Pending& pending);
   void Release(ReadyItem item, std::vector<ReadyItem>* ready);
   void InspectStalls(int64_t now_ms, RoundResult* result);
 
