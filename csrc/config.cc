@@ -52,49 +52,39 @@ Status ParseLogLevel(const char* var, const char* value, LogLevel* out) {
 
 Status Config::FromLookup(const std::function<const char*(const char*)>& lookup, Config* out) {
   Config config;
-  Status status;
-  const char* value = nullptr;
-  if ((value = lookup("HVDLITE_FUSION_THRESHOLD")) && *value) {
-    status = ParseInt("HVDLITE_FUSION_THRESHOLD", value, 0, "a number of bytes >= 0",
-                      &config.fusion_threshold_bytes);
+  // Each setter reads one variable if it is set and non-empty; the first bad value wins.
+  auto set = [&](const char* var) -> const char* {
+    const char* value = lookup(var);
+    return value != nullptr && *value != '\0' ? value : nullptr;
+  };
+  auto number = [&](const char* var, double minimum, const char* expected, double* field) {
+    const char* value = set(var);
+    return value ? ParseDouble(var, value, minimum, expected, field) : Status::Ok();
+  };
+  auto integer = [&](const char* var, int64_t minimum, const char* expected, int64_t* field) {
+    const char* value = set(var);
+    return value ? ParseInt(var, value, minimum, expected, field) : Status::Ok();
+  };
+  const Status statuses[] = {
+      integer("HVDLITE_FUSION_THRESHOLD", 0, "a number of bytes >= 0", &config.fusion_threshold_bytes),
+      number("HVDLITE_CYCLE_TIME", 0.0, "milliseconds >= 0", &config.cycle_time_ms),
+      number("HVDLITE_IDLE_HEARTBEAT_MS", 1.0, "milliseconds >= 1", &config.idle_heartbeat_ms),
+      number("HVDLITE_STALL_CHECK_TIME_SECONDS", 0.0, "seconds >= 0", &config.stall_check_seconds),
+      number("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", 0.0, "seconds >= 0 (0 disables)",
+             &config.stall_shutdown_seconds),
+      integer("HVDLITE_CACHE_CAPACITY", 0, "a number of names >= 0 (0 disables)",
+              &config.cache_capacity),
+      integer("HVDLITE_INLINE_BYTES", 0, "a number of bytes >= 0 (0 disables)", &config.inline_bytes),
+  };
+  for (const Status& status : statuses) {
     if (!status.ok()) return status;
   }
-  if ((value = lookup("HVDLITE_CYCLE_TIME")) && *value) {
-    status = ParseDouble("HVDLITE_CYCLE_TIME", value, 0.0, "milliseconds >= 0",
-                         &config.cycle_time_ms);
-    if (!status.ok()) return status;
+  if (config.inline_bytes > (1 << 20)) {
+    return BadValue("HVDLITE_INLINE_BYTES", set("HVDLITE_INLINE_BYTES"), "at most 1048576 bytes");
   }
-  if ((value = lookup("HVDLITE_IDLE_HEARTBEAT_MS")) && *value) {
-    status = ParseDouble("HVDLITE_IDLE_HEARTBEAT_MS", value, 1.0, "milliseconds >= 1",
-                         &config.idle_heartbeat_ms);
-    if (!status.ok()) return status;
-  }
-  if ((value = lookup("HVDLITE_STALL_CHECK_TIME_SECONDS")) && *value) {
-    status = ParseDouble("HVDLITE_STALL_CHECK_TIME_SECONDS", value, 0.0, "seconds >= 0",
-                         &config.stall_check_seconds);
-    if (!status.ok()) return status;
-  }
-  if ((value = lookup("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS")) && *value) {
-    status = ParseDouble("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", value, 0.0,
-                         "seconds >= 0 (0 disables)", &config.stall_shutdown_seconds);
-    if (!status.ok()) return status;
-  }
-  if ((value = lookup("HVDLITE_CACHE_CAPACITY")) && *value) {
-    status = ParseInt("HVDLITE_CACHE_CAPACITY", value, 0, "a number of names >= 0 (0 disables)",
-                      &config.cache_capacity);
-    if (!status.ok()) return status;
-  }
-  if ((value = lookup("HVDLITE_INLINE_BYTES")) && *value) {
-    status = ParseInt("HVDLITE_INLINE_BYTES", value, 0, "a number of bytes >= 0 (0 disables)",
-                      &config.inline_bytes);
-    if (!status.ok()) return status;
-    if (config.inline_bytes > (1 << 20)) {
-      return BadValue("HVDLITE_INLINE_BYTES", value, "at most 1048576 bytes");
-    }
-  }
-  if ((value = lookup("HVDLITE_TIMELINE")) && *value) config.timeline_path = value;
-  if ((value = lookup("HVDLITE_LOG_LEVEL")) && *value) {
-    status = ParseLogLevel("HVDLITE_LOG_LEVEL", value, &config.log_level);
+  if (const char* value = set("HVDLITE_TIMELINE")) config.timeline_path = value;
+  if (const char* value = set("HVDLITE_LOG_LEVEL")) {
+    Status status = ParseLogLevel("HVDLITE_LOG_LEVEL", value, &config.log_level);
     if (!status.ok()) return status;
   }
   *out = config;

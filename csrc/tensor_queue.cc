@@ -88,6 +88,15 @@ std::vector<Entry> TensorQueue::Close(const Status& status) {
   return remaining;
 }
 
+namespace {
+
+Status UnknownHandle(int64_t handle) {
+  return Status(StatusCode::kInvalidArgument,
+                "unknown handle " + std::to_string(handle) + " (already synchronized?)");
+}
+
+}  // namespace
+
 int64_t HandleTable::Create() {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t handle = next_++;
@@ -108,10 +117,7 @@ void HandleTable::Complete(int64_t handle, Completion completion) {
 Status HandleTable::Poll(int64_t handle, bool* done) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = slots_.find(handle);
-  if (it == slots_.end()) {
-    return Status(StatusCode::kInvalidArgument,
-                  "unknown handle " + std::to_string(handle) + " (already synchronized?)");
-  }
+  if (it == slots_.end()) return UnknownHandle(handle);
   *done = it->second.done;
   return Status::Ok();
 }
@@ -124,10 +130,7 @@ void HandleTable::Discard(int64_t handle) {
 Status HandleTable::Wait(int64_t handle, Completion* out) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = slots_.find(handle);
-  if (it == slots_.end()) {
-    return Status(StatusCode::kInvalidArgument,
-                  "unknown handle " + std::to_string(handle) + " (already synchronized?)");
-  }
+  if (it == slots_.end()) return UnknownHandle(handle);
   cv_.wait(lock, [&] { return slots_.at(handle).done; });
   it = slots_.find(handle);
   *out = std::move(it->second.completion);
