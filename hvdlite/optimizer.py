@@ -48,6 +48,12 @@ class _Reduction:
     finish: object  # engine result -> None
 
 
+def _forwarded(name):
+    """A property that reads and writes the wrapped optimizer's own attribute."""
+    return property(lambda self: getattr(self._optimizer, name),
+                    lambda self, value: setattr(self._optimizer, name, value))
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
 
@@ -116,29 +122,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- the wrapped optimizer's objects -------------------------------------------------------
 
-    @property
-    def param_groups(self):
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self._optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self._optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self._optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self._optimizer.defaults = value
+    param_groups = _forwarded("param_groups")
+    state = _forwarded("state")
+    defaults = _forwarded("defaults")
 
     def __getattr__(self, name):
         # Only reached when normal lookup fails: anything else belongs to the wrapped optimizer
