@@ -9,20 +9,24 @@
 namespace hvdlite {
 
 ControlChannel::ControlChannel(CollectiveBackend* backend, int size)
-    : backend_(backend), size_(size) {
+    : backend_(backend), size_(size), slot_splits_(size, kSlotBytes) {
   auto options = at::TensorOptions().dtype(at::kByte);
-  send_ = at::zeros({kSlotBytes}, options);
+  send_ = at::zeros({kSlotBytes * size}, options);
   receive_ = at::zeros({kSlotBytes * size}, options);
-  for (int r = 0; r < size; ++r) receive_slots_.push_back(receive_.narrow(0, r * kSlotBytes, kSlotBytes));
 }
 
 std::vector<std::string> ControlChannel::Allgather(const std::string& mine) {
+  // Note [Control exchange by alltoall]: the same slot goes to every rank. Only the used part
+  // of each copy is written; the rest of the slot is never read.
   auto* send = static_cast<char*>(send_.data_ptr());
   const int64_t length = static_cast<int64_t>(mine.size());
-  std::memcpy(send, &length, kHeaderBytes);
   const bool fits = length <= kSlotBytes - kHeaderBytes;
-  if (fits) std::memcpy(send + kHeaderBytes, mine.data(), mine.size());
-  backend_->Allgather(send_, receive_slots_);
+  for (int r = 0; r < size_; ++r) {
+    char* slot = send + r * kSlotBytes;
+    std::memcpy(slot, &length, kHeaderBytes);
+    if (fits) std::memcpy(slot + kHeaderBytes, mine.data(), mine.size());
+  }
+  backend_->Alltoall(receive_, send_, slot_splits_, slot_splits_);
 
   std::vector<int64_t> lengths(size_);
   int64_t longest = 0;
