@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <sys/prctl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -103,7 +104,9 @@ Status Engine::Poll(int64_t handle, bool* done) { return handles_.Poll(handle, d
 
 Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux) {
   Completion completion;
+  queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
   Status status = handles_.Wait(handle, &completion);
+  queue_.RemoveWaiter();
   if (!status.ok()) return status;
   if (!completion.status.ok()) return completion.status;
   if (completion.done_event && completion.output.defined()) {
@@ -125,6 +128,9 @@ void Engine::Shutdown() {
 
 void Engine::Loop() {
   at::NoGradGuard no_grad;
+  // The pauses of Note [Cycle policy] are tens of microseconds; the default timer slack
+  // (50 us) would more than double them.
+  prctl(PR_SET_TIMERSLACK, 1000UL /* ns */);
   auto last_round = Clock::now() - std::chrono::hours(1);
   auto last_busy = Clock::now();
   auto backoff = Millis(0.1);
@@ -136,13 +142,16 @@ void Engine::Loop() {
     if (shutdown_requested_) {
       // go now
     } else if (has_new || (waiting && !stuck)) {
+      // Note [A waiting caller ends the gathering]
       auto next = last_round + Millis(config_.cycle_time_ms);
-      if (Clock::now() < next) std::this_thread::sleep_until(next);
-      if (has_new) CoalesceBurst();
+      const bool waited = Clock::now() < next && queue_.PauseUnlessWaited(next);
+      if (has_new && !waited) CoalesceBurst();
     } else {
       auto wait = stuck ? backoff : IdleHeartbeat(Clock::now() - last_busy);
       queue_.WaitForWork(Clock::now() + wait);
-      if (stuck && !queue_.HasNew() && !shutdown_requested_) {
+      // Woken by a push: go back and gather (cycle time, burst) instead of sending it alone.
+      if (queue_.HasNew() && !shutdown_requested_) continue;
+      if (stuck && !shutdown_requested_) {
         backoff = std::min(backoff * 2, Millis(config_.idle_heartbeat_ms));
       }
     }
@@ -165,14 +174,20 @@ void Engine::Loop() {
 void Engine::CoalesceBurst() {
   // Note [Cycle policy]: a caller that enqueues many tensors in a loop pushes one every few
   // microseconds; starting the round at the first would send it alone and the rest a round
-  // later. Wait while pushes keep coming (gaps under kBurstGap), for at most kMaxBurstWait.
+  // later. Pause while pushes keep coming (one arrived during the last pause of kBurstGap), for
+  // at most kMaxBurstWait in all. The first pause is unconditional: this thread's own wake-up
+  // may have kept the pushing thread off the CPU (on a busy machine they share a core), so a
+  // gap measured before pausing says nothing. A waiting caller ends the burst at once (Note
+  // [A waiting caller ends the gathering]), so blocking calls never pay for this.
   constexpr auto kBurstGap = std::chrono::microseconds(40);
-  constexpr auto kMaxBurstWait = std::chrono::microseconds(1000);
-  while (true) {
-    auto [oldest, newest] = queue_.NewSpan();
-    const auto now = Clock::now();
-    if (now - newest >= kBurstGap || now - oldest >= kMaxBurstWait || shutdown_requested_) return;
-    std::this_thread::sleep_until(std::min(newest + kBurstGap, oldest + kMaxBurstWait));
+  constexpr auto kMaxBurstWait = std::chrono::microseconds(4000);
+  auto [oldest, newest] = queue_.NewSpan();
+  while (!shutdown_requested_) {
+    const auto deadline = std::min(Clock::now() + kBurstGap, oldest + kMaxBurstWait);
+    if (Clock::now() >= deadline || queue_.PauseUnlessWaited(deadline)) return;
+    const auto latest = queue_.NewSpan().second;
+    if (latest == newest) return;  // nothing arrived during the pause: the burst is over
+    newest = latest;
   }
 }
 

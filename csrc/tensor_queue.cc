@@ -76,6 +76,24 @@ void TensorQueue::Wake() {
   std::lock_guard<std::mutex> lock(mu_);
   woken_ = true;
   cv_.notify_one();
+  pause_cv_.notify_one();
+}
+
+void TensorQueue::AddWaiter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++waiters_;
+  pause_cv_.notify_one();
+}
+
+void TensorQueue::RemoveWaiter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  --waiters_;
+}
+
+bool TensorQueue::PauseUnlessWaited(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  pause_cv_.wait_until(lock, deadline, [&] { return woken_ || waiters_ > 0; });
+  return waiters_ > 0;
 }
 
 std::vector<Entry> TensorQueue::Close(const Status& status) {

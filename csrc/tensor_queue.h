@@ -54,13 +54,27 @@ class TensorQueue {
   void WaitForWork(std::chrono::steady_clock::time_point deadline);
   void Wake();
 
+  // Note [A waiting caller ends the gathering]
+  // The background thread holds new requests back for a while (a burst of pushes, the cycle
+  // time) so that more of them share a round and a fused buffer. Once a caller blocks on a
+  // handle, waiting longer only delays it: a loop of async calls is over when its first
+  // synchronize() starts, and a blocking call pushes nothing more. So callers announce that
+  // they wait, and the hold-back pauses end at once while anyone does. Pushes do not wake
+  // these pauses (a burst of 200 pushes would cost 200 wake-ups of the background thread).
+  void AddWaiter();
+  void RemoveWaiter();
+  // Sleeps until `deadline`, Wake(), or while a caller waits; true if a caller waits.
+  bool PauseUnlessWaited(std::chrono::steady_clock::time_point deadline);
+
   // Refuses every later push with `status` and returns every entry still in flight.
   std::vector<Entry> Close(const Status& status);
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable pause_cv_;
   bool woken_ = false;
+  int waiters_ = 0;
   Status closed_;
   std::unordered_map<std::string, Entry> in_flight_;
   std::vector<Request> new_requests_;
