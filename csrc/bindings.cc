@@ -75,6 +75,28 @@ std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Ten
   return handles;
 }
 
+// The common case, one tensor with no group and no splits, without building lists on either
+// side of the binding: every async allreduce of a training step comes through here.
+int64_t EnqueueOne(Engine& engine, int kind, const at::Tensor& input,
+                   const std::optional<at::Tensor>& output, const std::string& name, int op,
+                   int root, double prescale, double postscale) {
+  if (kind < 0 || kind >= kNumCollectiveKinds || op < 0 || op > kMaxReduceOp) {
+    Check(Status(StatusCode::kInternal, "malformed enqueue call"));
+  }
+  std::vector<EnqueueArgs> args(1);
+  args[0].name = name;
+  args[0].kind = static_cast<CollectiveKind>(kind);
+  args[0].input = input;
+  if (output) args[0].output = *output;
+  args[0].op = static_cast<ReduceOp>(op);
+  args[0].root = root;
+  args[0].prescale = prescale;
+  args[0].postscale = postscale;
+  std::vector<int64_t> handles;
+  Check(engine.Enqueue(std::move(args), &handles));
+  return handles.front();
+}
+
 // ---- Test hooks: the pure logic, reachable from one process --------------------------------
 
 Request RequestFromDict(const py::dict& d) {
@@ -256,6 +278,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu").none(false),
            py::arg("cuda"), py::arg("rank"), py::arg("size"))
       .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
+      .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
       .def("poll",
            [](Engine& engine, int64_t handle) {
              bool done = false;

@@ -12,7 +12,6 @@ operations get a generated name from a per-process counter, so they match by cal
 several threads issue unnamed operations concurrently, give them names.
 """
 
-import dataclasses
 import numbers
 
 import torch
@@ -37,16 +36,27 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64
                      torch.int8, torch.int32, torch.int64)
 
 
-@dataclasses.dataclass
 class _Pending:
-    engine: object
-    core_handles: list
-    finish: object  # list of (tensor, aux) from the engine -> what synchronize() returns
+    """What synchronize() needs for one handle (a plain slotted class: one is made per call)."""
+
+    __slots__ = ("engine", "core_handles", "finish")
+
+    def __init__(self, engine, core_handles, finish):
+        self.engine = engine
+        self.core_handles = core_handles
+        self.finish = finish  # list of (tensor, aux) from the engine -> what synchronize() returns
 
 
 # ---- argument checks: local mistakes raise TypeError / ValueError at the call -------------------
 
+_SUPPORTED_DTYPE_SET = frozenset(_SUPPORTED_DTYPES)
+
+
 def _check_tensor(fn, tensor, what="tensor", min_dim=0):
+    if (isinstance(tensor, torch.Tensor) and tensor.dtype in _SUPPORTED_DTYPE_SET
+            and tensor.layout == torch.strided and (tensor.is_cpu or tensor.is_cuda)
+            and (min_dim == 0 or tensor.dim() >= min_dim)):
+        return  # the common case, in one test; the checks below say what is wrong
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{fn}: expected a torch.Tensor for '{what}', got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
@@ -135,20 +145,33 @@ def _runtime(fn, process_set):
 def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=0, prescale=1.0,
             postscale=1.0, group="", splits=()):
     state, runtime = _runtime(fn, process_set)
-    devices = {inputs[0].device.type} if len(inputs) == 1 else {t.device.type for t in inputs}
-    if "cuda" in devices and runtime.groups[2] is None:
-        raise ValueError(f"{fn}: CUDA tensors need an NCCL process group, and this job has none "
-                         "(torch.cuda.is_available() was False at hvdlite.init())")
-    if len(devices) > 1:
-        raise ValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
+    single = len(inputs) == 1
+    if single:
+        if inputs[0].is_cuda and runtime.groups[2] is None:
+            _no_nccl(fn)
+    else:
+        devices = {t.device.type for t in inputs}
+        if "cuda" in devices and runtime.groups[2] is None:
+            _no_nccl(fn)
+        if len(devices) > 1:
+            raise ValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
     try:
-        core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale,
-                                              postscale, group, list(splits))
+        if single and not group and not splits:  # the lean path of every per-tensor call
+            core_handles = (runtime.engine.enqueue_one(kind, inputs[0], outputs[0], names[0], op,
+                                                       root, prescale, postscale),)
+        else:
+            core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale,
+                                                  postscale, group, list(splits))
     except Exception as exc:
         raise basics._explain(exc, state)
     handle = next(state.handle_ids)
     state.handles[handle] = _Pending(runtime.engine, core_handles, finish)
     return handle
+
+
+def _no_nccl(fn):
+    raise ValueError(f"{fn}: CUDA tensors need an NCCL process group, and this job has none "
+                     "(torch.cuda.is_available() was False at hvdlite.init())")
 
 
 def _group_names(fn, process_set, name, count):
