@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 
+#include "autotune.h"
 #include "backend_c10d.h"
 #include "config.h"
 #include "controller.h"
@@ -138,6 +139,10 @@ RankMessage MessageFromDict(const py::dict& d) {
   RankMessage m;
   m.flags = d.contains("flags") ? d["flags"].cast<uint32_t>() : 0;
   m.clock_ms = d.contains("clock_ms") ? d["clock_ms"].cast<int64_t>() : 0;
+  if (d.contains("tuned")) {
+    auto tuned = d["tuned"].cast<std::pair<int64_t, double>>();
+    m.tuned = TunedParams{tuned.first, tuned.second};
+  }
   if (d.contains("requests")) {
     for (auto r : d["requests"]) m.requests.push_back(RequestFromDict(r.cast<py::dict>()));
   }
@@ -213,6 +218,7 @@ py::dict DecodeMessage(const py::bytes& data) {
   py::dict out;
   out["flags"] = message.flags;
   out["clock_ms"] = message.clock_ms;
+  out["tuned"] = py::make_tuple(message.tuned.fusion_threshold_bytes, message.tuned.cycle_time_ms);
   py::list requests;
   for (const Request& r : message.requests) {
     py::dict d;
@@ -253,6 +259,9 @@ py::dict ParseConfig(const std::map<std::string, std::string>& env) {
   out["log_level"] = static_cast<int>(config.log_level);
   out["cache_capacity"] = config.cache_capacity;
   out["inline_bytes"] = config.inline_bytes;
+  out["autotune"] = config.autotune;
+  out["autotune_sample_seconds"] = config.autotune_sample_seconds;
+  out["autotune_log_path"] = config.autotune_log_path;
   return out;
 }
 
@@ -321,6 +330,27 @@ PYBIND11_MODULE(_core, m) {
            py::arg("cache_capacity") = 0)
       .def("round", &ControllerHarness::Round)
       .def("wire", &ControllerHarness::Wire);
+  py::class_<Autotuner>(m, "_Autotuner")
+      .def(py::init([](int64_t threshold, double cycle_ms, double sample_seconds) {
+             return Autotuner(TunedParams{threshold, cycle_ms}, sample_seconds);
+           }),
+           py::arg("fusion_threshold_bytes"), py::arg("cycle_time_ms"), py::arg("sample_seconds"))
+      .def("record", &Autotuner::Record, py::arg("bytes"), py::arg("now_seconds"))
+      .def_property_readonly("current",
+                             [](const Autotuner& t) {
+                               return py::make_tuple(t.current().fusion_threshold_bytes,
+                                                     t.current().cycle_time_ms);
+                             })
+      .def_property_readonly("done", &Autotuner::done)
+      .def("summary", &Autotuner::Summary)
+      .def("samples", [](const Autotuner& t) {
+        py::list out;
+        for (const AutotuneSample& s : t.samples()) {
+          out.append(py::make_tuple(s.phase, s.params.fusion_threshold_bytes, s.params.cycle_time_ms,
+                                    s.bytes, s.seconds));
+        }
+        return out;
+      });
   m.def("_plan", &Plan);
   m.def("_encode_message", &EncodeMessage);
   m.def("_decode_message", &DecodeMessage);

@@ -65,6 +65,7 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
     const char* value = set(var);
     return value ? ParseInt(var, value, minimum, expected, field) : Status::Ok();
   };
+  int64_t autotune = 0;
   const Status statuses[] = {
       integer("HVDLITE_FUSION_THRESHOLD", 0, "a number of bytes >= 0", &config.fusion_threshold_bytes),
       number("HVDLITE_CYCLE_TIME", 0.0, "milliseconds >= 0", &config.cycle_time_ms),
@@ -75,6 +76,9 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
       integer("HVDLITE_CACHE_CAPACITY", 0, "a number of names >= 0 (0 disables)",
               &config.cache_capacity),
       integer("HVDLITE_INLINE_BYTES", 0, "a number of bytes >= 0 (0 disables)", &config.inline_bytes),
+      integer("HVDLITE_AUTOTUNE", 0, "0 or 1", &autotune),
+      number("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", 0.001, "seconds >= 0.001",
+             &config.autotune_sample_seconds),
   };
   for (const Status& status : statuses) {
     if (!status.ok()) return status;
@@ -82,6 +86,9 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
   if (config.inline_bytes > (1 << 20)) {
     return BadValue("HVDLITE_INLINE_BYTES", set("HVDLITE_INLINE_BYTES"), "at most 1048576 bytes");
   }
+  if (autotune > 1) return BadValue("HVDLITE_AUTOTUNE", set("HVDLITE_AUTOTUNE"), "0 or 1");
+  config.autotune = autotune == 1;
+  if (const char* value = set("HVDLITE_AUTOTUNE_LOG")) config.autotune_log_path = value;
   if (const char* value = set("HVDLITE_TIMELINE")) config.timeline_path = value;
   if (const char* value = set("HVDLITE_LOG_LEVEL")) {
     Status status = ParseLogLevel("HVDLITE_LOG_LEVEL", value, &config.log_level);

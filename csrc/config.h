@@ -35,6 +35,13 @@ struct Config {
   // HVDLITE_INLINE_BYTES: CPU tensors up to this size travel inside the negotiation round
   // (Note [Inline small tensors]); 0 disables inlining.
   int64_t inline_bytes = 512;
+  // HVDLITE_AUTOTUNE: 1 makes rank 0 search the fusion threshold and cycle time during the
+  // first samples of the job (Note [Autotune] in autotune.h); the two above are its start.
+  bool autotune = false;
+  // HVDLITE_AUTOTUNE_SAMPLE_SECONDS: the wall time each autotune sample covers.
+  double autotune_sample_seconds = 0.5;
+  // HVDLITE_AUTOTUNE_LOG: rank 0 appends one CSV line per autotune sample to this file.
+  std::string autotune_log_path;
   // HVDLITE_TIMELINE: path of a Chrome trace to write (see timeline.h); empty: none.
   std::string timeline_path;
   // HVDLITE_LOG_LEVEL: trace, debug, info, warning (default) or error.

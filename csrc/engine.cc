@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 
 namespace hvdlite {
 namespace {
@@ -36,7 +37,11 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       channel_(control_backend_.get(), size),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
                   static_cast<size_t>(config.cache_capacity)),
-      executor_(rank, size, cpu_backend_.get(), cuda_backend_.get(), &queue_, &handles_, &timeline_) {
+      executor_(rank, size, cpu_backend_.get(), cuda_backend_.get(), &queue_, &handles_, &timeline_),
+      params_{config.fusion_threshold_bytes, config.cycle_time_ms} {
+  if (config.autotune && rank == 0) {
+    tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
+  }
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -143,7 +148,7 @@ void Engine::Loop() {
       // go now
     } else if (has_new || (waiting && !stuck)) {
       // Note [A waiting caller ends the gathering]
-      auto next = last_round + Millis(config_.cycle_time_ms);
+      auto next = last_round + Millis(params_.cycle_time_ms);
       const bool waited = Clock::now() < next && queue_.PauseUnlessWaited(next);
       if (has_new && !waited) CoalesceBurst();
     } else {
@@ -204,6 +209,10 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   if (shutdown_requested_) mine.flags |= kFlagShutdown;
   mine.requests = queue_.TakeNewRequests();
   if (!mine.requests.empty() || queue_.HasInFlight()) mine.flags |= kFlagHasOutstanding;
+  if (tuner_) {
+    mine.flags |= kFlagTuned;
+    mine.tuned = tuner_->current();
+  }
 
   const bool debug = logger_.Enabled(LogLevel::kDebug);
   const auto t0 = Clock::now();
@@ -223,18 +232,24 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
     }
     if (messages[r].flags & kFlagShutdown) shutting_down.push_back(r);
   }
+  if (messages.front().flags & kFlagTuned) params_ = messages.front().tuned;  // Note [Autotune]
   const auto t1 = Clock::now();
   RoundResult round = controller_.ProcessRound(messages);
   if (!round.stall_warning.empty()) logger_.Log(LogLevel::kWarning, round.stall_warning);
   const size_t ready = round.ready.size();
-  std::vector<Batch> batches = PlanBatches(std::move(round.ready), config_.fusion_threshold_bytes);
+  std::vector<Batch> batches = PlanBatches(std::move(round.ready), params_.fusion_threshold_bytes);
   const auto t2 = Clock::now();
   if (timeline_.enabled() && !round.quiet) {
     timeline_.Marker("rounds", "round", MonotonicMicros(),
                      "{\"sent\": " + std::to_string(mine.requests.size()) + ", \"ready\": " +
                          std::to_string(ready) + ", \"batches\": " + std::to_string(batches.size()) + "}");
   }
-  for (const Batch& batch : batches) executor_.Execute(batch);
+  int64_t moved = 0;
+  for (const Batch& batch : batches) {
+    executor_.Execute(batch);
+    if (!batch.items.front().inlined) moved += batch.bytes;
+  }
+  if (tuner_ && !round.quiet) RecordForAutotune(moved);
   if (debug && !round.quiet) {
     auto us = [](Clock::duration d) {
       return std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(d).count());
@@ -254,6 +269,26 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   *stuck = round.quiet && round.all_outstanding;
   *quiet = round.quiet;
   return true;
+}
+
+void Engine::RecordForAutotune(int64_t bytes) {
+  const double now = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  if (!tuner_->Record(bytes, now)) return;
+  const AutotuneSample& s = tuner_->samples().back();
+  if (!config_.autotune_log_path.empty()) {
+    std::ofstream log(config_.autotune_log_path, std::ios::app);
+    if (tuner_->samples().size() == 1) {
+      log << "phase,fusion_threshold_bytes,cycle_time_ms,bytes,seconds,bytes_per_second\n";
+    }
+    log << s.phase << ',' << s.params.fusion_threshold_bytes << ',' << s.params.cycle_time_ms << ','
+        << s.bytes << ',' << s.seconds << ',' << s.BytesPerSecond() << '\n';
+    if (tuner_->done()) log << "# " << tuner_->Summary() << '\n';
+  }
+  logger_.Log(LogLevel::kDebug, std::string("autotune sample (") + s.phase + "): threshold " +
+                                    std::to_string(s.params.fusion_threshold_bytes) + " bytes, cycle " +
+                                    std::to_string(s.params.cycle_time_ms) + " ms: " +
+                                    std::to_string(s.BytesPerSecond() / 1e6) + " MB/s");
+  if (tuner_->done()) logger_.Announce(tuner_->Summary());
 }
 
 void Engine::Stop(const Status& status) {

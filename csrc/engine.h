@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "autotune.h"
 #include "backend.h"
 #include "config.h"
 #include "control_channel.h"
@@ -88,6 +89,8 @@ class Engine {
   void CoalesceBurst();
   void Stop(const Status& status);
   void MaybeInline(Request* r, const at::Tensor& input) const;
+  // Note [Autotune]: feeds rank 0's tuner after a round that moved `bytes`.
+  void RecordForAutotune(int64_t bytes);
 
   const Config config_;
   const int rank_;
@@ -102,6 +105,8 @@ class Engine {
   ControlChannel channel_;
   Controller controller_;
   Executor executor_;
+  TunedParams params_;                // in effect this round: rank 0's (Note [Autotune])
+  std::unique_ptr<Autotuner> tuner_;  // rank 0 with HVDLITE_AUTOTUNE=1 only
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<int64_t> name_counter_{0};
   std::thread thread_;

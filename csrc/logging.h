@@ -13,6 +13,9 @@ class Logger {
   Logger(int rank, LogLevel level) : rank_(rank), level_(level) {}
   bool Enabled(LogLevel level) const { return level >= level_; }
   void Log(LogLevel level, const std::string& message) const;
+  // An INFO line the user asked for by enabling a feature (autotune's choice): shown unless
+  // HVDLITE_LOG_LEVEL=error.
+  void Announce(const std::string& message) const;
 
  private:
   int rank_;

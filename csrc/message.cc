@@ -142,6 +142,10 @@ std::string EncodeRankMessage(const RankMessage& message, const CacheLookup& loo
   out.Put<uint32_t>(kMagic);
   out.Put<uint32_t>(message.flags);
   out.Put<int64_t>(message.clock_ms);
+  if (message.flags & kFlagTuned) {
+    out.Put<int64_t>(message.tuned.fusion_threshold_bytes);
+    out.Put<double>(message.tuned.cycle_time_ms);
+  }
   out.Put<uint32_t>(static_cast<uint32_t>(message.requests.size()));
   for (const Request& r : message.requests) {
     const int32_t id = lookup ? lookup(r) : -1;
@@ -176,8 +180,14 @@ Status DecodeRankMessage(const char* data, size_t size, RankMessage* out,
   Reader in(data, size);
   uint32_t magic = 0, count = 0;
   RankMessage message;
+  auto read_tuned = [&] {  // Note [Autotune]: present with kFlagTuned, right after the clock
+    TunedParams& t = message.tuned;
+    return !(message.flags & kFlagTuned) ||
+           (in.Get(&t.fusion_threshold_bytes) && in.Get(&t.cycle_time_ms) &&
+            t.fusion_threshold_bytes >= 0 && t.cycle_time_ms >= 0.0 && t.cycle_time_ms <= 60000.0);
+  };
   if (!in.Get(&magic) || magic != kMagic || !in.Get(&message.flags) ||
-      !in.Get(&message.clock_ms) || !in.Get(&count) || count > kMaxRequests) {
+      !in.Get(&message.clock_ms) || !read_tuned() || !in.Get(&count) || count > kMaxRequests) {
     return Status(StatusCode::kInternal, "malformed control message header (" +
                                              std::to_string(size) + " bytes)");
   }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "autotune.h"
 #include "status.h"
 #include "types.h"
 
@@ -52,11 +53,13 @@ using CacheResolve = std::function<bool(uint32_t id, Request* out)>;  // false: 
 enum RankMessageFlags : uint32_t {
   kFlagShutdown = 1u << 0,        // this rank is shutting down; everyone stops after this round
   kFlagHasOutstanding = 1u << 1,  // this rank waits on requests that are not complete yet
+  kFlagTuned = 1u << 2,           // rank 0 only: `tuned` holds the parameters for this round
 };
 
 struct RankMessage {
   uint32_t flags = 0;
   int64_t clock_ms = 0;  // the sender's monotonic clock; rank 0's is the job's clock for stalls
+  TunedParams tuned;     // with kFlagTuned (Note [Autotune] in autotune.h)
   std::vector<Request> requests;
 };
 

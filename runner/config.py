@@ -18,6 +18,8 @@ class CoreKnobs:
     fusion_threshold_mb: Optional[float] = None
     cycle_time_ms: Optional[float] = None
     timeline_filename: Optional[str] = None
+    autotune: bool = False
+    autotune_log_file: Optional[str] = None
     verbose: bool = False
     stall_check_time_seconds: Optional[float] = None
     stall_shutdown_time_seconds: Optional[float] = None
@@ -30,6 +32,10 @@ class CoreKnobs:
             env["HVDLITE_CYCLE_TIME"] = f"{self.cycle_time_ms:g}"
         if self.timeline_filename is not None:
             env["HVDLITE_TIMELINE"] = self.timeline_filename
+        if self.autotune:
+            env["HVDLITE_AUTOTUNE"] = "1"
+        if self.autotune_log_file is not None:
+            env["HVDLITE_AUTOTUNE_LOG"] = self.autotune_log_file
         if self.verbose:
             env["HVDLITE_LOG_LEVEL"] = "debug"
         if self.stall_check_time_seconds is not None:

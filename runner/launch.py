@@ -52,8 +52,9 @@ environment of each rank:
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
                                             torchrun's names, for plain torch.distributed;
                                             MASTER_PORT differs from the rendezvous port
-  plus HVDLITE_FUSION_THRESHOLD, HVDLITE_CYCLE_TIME, HVDLITE_TIMELINE, HVDLITE_LOG_LEVEL,
-  HVDLITE_STALL_CHECK_TIME_SECONDS, HVDLITE_STALL_SHUTDOWN_TIME_SECONDS from the flags above.
+  plus HVDLITE_FUSION_THRESHOLD, HVDLITE_CYCLE_TIME, HVDLITE_TIMELINE, HVDLITE_AUTOTUNE,
+  HVDLITE_AUTOTUNE_LOG, HVDLITE_LOG_LEVEL, HVDLITE_STALL_CHECK_TIME_SECONDS,
+  HVDLITE_STALL_SHUTDOWN_TIME_SECONDS from the flags above.
 
 exit status:
   0 when every rank exits 0; the first failing rank's exit code (1 if it was killed by a
@@ -154,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "as soon as the previous one ends (HVDLITE_CYCLE_TIME)")
     core.add_argument("--timeline-filename", metavar="FILE",
                       help="write a Chrome trace timeline (HVDLITE_TIMELINE)")
+    core.add_argument("--autotune", action="store_true",
+                      help="search fusion threshold and cycle time during the first seconds of "
+                           "training and keep the best (HVDLITE_AUTOTUNE=1)")
+    core.add_argument("--autotune-log-file", metavar="FILE",
+                      help="rank 0 writes every autotune sample and the choice to this CSV "
+                           "file (HVDLITE_AUTOTUNE_LOG)")
     core.add_argument("--stall-check-time-seconds", type=_positive_float, metavar="SECONDS",
                       help="warn about ranks that have not submitted a tensor the others wait "
                            "on after this long (HVDLITE_STALL_CHECK_TIME_SECONDS)")
@@ -206,6 +213,8 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
         timeline_filename=args.timeline_filename,
+        autotune=args.autotune,
+        autotune_log_file=args.autotune_log_file,
         verbose=args.verbose,
         stall_check_time_seconds=args.stall_check_time_seconds,
         stall_shutdown_time_seconds=args.stall_shutdown_time_seconds,

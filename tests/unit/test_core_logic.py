@@ -189,3 +189,97 @@ def test_config_cache_and_inline_knobs():
     assert c["cache_capacity"] == 0 and c["inline_bytes"] == 0
     with pytest.raises(ValueError, match="invalid HVDLITE_INLINE_BYTES='9999999'"):
         _core._parse_config({"HVDLITE_INLINE_BYTES": "9999999"})
+
+
+# ---- autotune (Note [Autotune] in csrc/autotune.h) ----------------------------------------------
+
+MIB = 1 << 20
+
+
+def drive(tuner, rate_of, limit=400):
+    """Feeds the tuner rounds of 0.1 s that move rate_of(current params) bytes per second."""
+    now = 0.0
+    tuner.record(0, now)
+    for _ in range(limit):
+        if tuner.done:
+            return
+        now += 0.1
+        tuner.record(int(rate_of(tuner.current) * 0.1), now)
+    raise AssertionError("autotune did not finish")
+
+
+def test_autotune_finds_the_best_threshold_then_the_best_cycle_time():
+    def rate(params):  # peaks at 8 MiB and 1 ms
+        threshold, cycle = params
+        return 1e9 - abs(threshold - 8 * MIB) * 10 - abs(cycle - 1.0) * 1e8
+
+    t = _core._Autotuner(64 * MIB, 0.5, sample_seconds=0.3)
+    assert t.current == (64 * MIB, 0.5) and not t.done
+    drive(t, rate)
+    assert t.current == (8 * MIB, 1.0)
+    phases = [s[0] for s in t.samples()]
+    assert phases[0] == "warmup" and phases.count("confirm") == 4
+    thresholds = sorted({s[1] for s in t.samples() if s[0] == "threshold"})
+    assert thresholds == [m * MIB for m in (1, 2, 4, 8, 16, 32, 64, 128)]
+    # every cycle candidate except the starting 0.5 ms, measured already in the threshold phase
+    assert sorted({s[2] for s in t.samples() if s[0] == "cycle"}) == [0.1, 0.25, 1.0, 2.0, 4.0]
+    assert all(s[4] >= 0.3 for s in t.samples())  # every sample covers the sample time
+    assert "8 MiB" in t.summary() and "1 ms" in t.summary()
+
+
+def test_autotune_keeps_the_start_when_nothing_beats_it():
+    def rate(params):  # the starting point is best; every other setting is slower
+        return 1e9 if params == (64 * MIB, 0.5) else 5e8
+
+    t = _core._Autotuner(64 * MIB, 0.5, sample_seconds=0.2)
+    drive(t, rate)
+    assert t.current == (64 * MIB, 0.5)
+
+
+def test_autotune_confirmation_rejects_a_lucky_sample():
+    # 16 MiB looks best once (a noisy sample), but is slower than the start when measured again
+    t = _core._Autotuner(64 * MIB, 0.5, sample_seconds=0.3)
+
+    def rate(params):
+        if params[0] == 16 * MIB:
+            lucky = not any(s[1] == 16 * MIB for s in t.samples())
+            return 2e9 if lucky else 1e8
+        return 1e9
+
+    drive(t, rate)
+    assert t.current == (64 * MIB, 0.5)
+
+
+def test_autotune_sample_needs_bytes_and_time():
+    t = _core._Autotuner(MIB, 0.5, sample_seconds=1.0)
+    t.record(999, 0.0)                # the first round only starts the clock
+    assert not t.record(10, 0.5)      # not enough time yet
+    assert t.record(0, 1.25)          # enough time, and bytes were moved
+    assert t.samples() == [("warmup", MIB, 0.5, 10, 1.25)]
+    idle = _core._Autotuner(MIB, 0.5, sample_seconds=1.0)
+    idle.record(0, 0.0)
+    assert not idle.record(0, 5.0)    # time alone is not a sample
+    assert idle.record(7, 5.5) and idle.samples()[0][3] == 7
+
+
+def test_tuned_parameters_travel_in_rank_messages():
+    tuned_flag = 4
+    m = msg(req("a"), flags=tuned_flag, clock_ms=7)
+    m["tuned"] = (8 * MIB, 0.25)
+    decoded = _core._decode_message(_core._encode_message(m))
+    assert decoded["tuned"] == (8 * MIB, 0.25) and decoded["flags"] == tuned_flag
+    plain = _core._encode_message(msg(req("a")))
+    assert len(_core._encode_message(m)) == len(plain) + 16
+    bad = dict(m, tuned=(-1, 0.25))
+    with pytest.raises(RuntimeError, match="malformed control message"):
+        _core._decode_message(_core._encode_message(bad))
+
+
+def test_autotune_config_is_strict():
+    c = _core._parse_config({"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0.25",
+                             "HVDLITE_AUTOTUNE_LOG": "/tmp/at.csv"})
+    assert c["autotune"] and c["autotune_sample_seconds"] == 0.25 and c["autotune_log_path"] == "/tmp/at.csv"
+    assert not _core._parse_config({})["autotune"]
+    for value in ("2", "yes", "-1"):
+        with pytest.raises(ValueError, match=f"invalid HVDLITE_AUTOTUNE='{value}'"):
+            _core._parse_config({"HVDLITE_AUTOTUNE": value})
