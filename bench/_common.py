@@ -119,9 +119,9 @@ def report(title, times, baseline, targets, out_path):
         rows.append((name, med * 1e3, ratios[name], verdict))
     if hvd.rank() == 0:
         print(f"\n{title}  (median of {len(times[baseline])} interleaved rounds, {hvd.size()} ranks)")
-        print(f"  {'method':<34}{'median ms':>12}{'x ' + baseline:>24}  target")
+        print(f"  {'method':<34}{'median ms':>12}  {'x ' + baseline:>{max(24, len(baseline) + 2)}}  target")
         for name, ms, ratio, verdict in rows:
-            print(f"  {name:<34}{ms:>12.3f}{ratio:>24.3f}  {verdict}")
+            print(f"  {name:<34}{ms:>12.3f}  {ratio:>{max(24, len(baseline) + 2)}.3f}  {verdict}")
         if out_path:
             existing = {}
             if os.path.exists(out_path):

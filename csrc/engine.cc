@@ -184,7 +184,7 @@ void Engine::CoalesceBurst() {
   // may have kept the pushing thread off the CPU (on a busy machine they share a core), so a
   // gap measured before pausing says nothing. A waiting caller ends the burst at once (Note
   // [A waiting caller ends the gathering]), so blocking calls never pay for this.
-  constexpr auto kBurstGap = std::chrono::microseconds(40);
+  constexpr auto kBurstGap = std::chrono::microseconds(100);
   constexpr auto kMaxBurstWait = std::chrono::microseconds(4000);
   auto [oldest, newest] = queue_.NewSpan();
   while (!shutdown_requested_) {
