@@ -11,7 +11,7 @@
 // costs no CPU, until a peer joins the round), when shutdown was asked for, and otherwise once
 // per idle heartbeat: every 100 ms for two seconds after the last activity, then every
 // HVDLITE_IDLE_HEARTBEAT_MS (default 1 s). A round with new requests waits while a burst of
-// pushes is still arriving (a push within every 40 us pause, at most 4 ms), so a loop of async calls shares
+// pushes is still arriving (a push within every 100 us pause, at most 4 ms), so a loop of async calls shares
 // one round instead of sending its first tensor alone. Busy rounds start at least HVDLITE_CYCLE_TIME apart, so tensors that
 // arrive close together share a fused collective. Both pauses end as soon as a caller blocks
 // on a handle (Note [A waiting caller ends the gathering] in tensor_queue.h). When every rank waits on something and a
