@@ -15,7 +15,7 @@ ControlChannel::ControlChannel(CollectiveBackend* backend, int size)
   receive_ = at::zeros({kSlotBytes * size}, options);
 }
 
-std::vector<std::string> ControlChannel::Allgather(const std::string& mine) {
+std::vector<std::string> ControlChannel::Exchange(const std::string& mine) {
   // Note [Control exchange by alltoall]: the same slot goes to every rank. Only the used part
   // of each copy is written; the rest of the slot is never read.
   auto* send = static_cast<char*>(send_.data_ptr());

@@ -28,7 +28,8 @@ namespace hvdlite {
 class ControlChannel {
  public:
   ControlChannel(CollectiveBackend* backend, int size);
-  std::vector<std::string> Allgather(const std::string& mine);
+  // Every rank calls this once per round; returns every rank's bytes, indexed by rank.
+  std::vector<std::string> Exchange(const std::string& mine);
 
  private:
   // Fits a training step's worth of cached requests (Note [Response cache]) for ~200 tensors.

@@ -2,11 +2,12 @@
 // ranks agree about them, and puts them in one order that every rank computes identically.
 //
 // Note [Replicated negotiation]
-// Every round, every rank allgathers its RankMessage over the control process group, so every
-// rank holds all ranks' messages for the round. Each rank feeds them (indexed by rank) to its
-// own Controller. The Controller is a deterministic state machine and every rank feeds it the
-// same input, so every rank reaches the same decisions in the same order without a coordinator
-// having to broadcast them: one collective per round instead of a gather plus a broadcast.
+// Every round, every rank sends its RankMessage to every rank over the control process group
+// (ControlChannel::Exchange), so every rank holds all ranks' messages for the round. Each rank
+// feeds them (indexed by rank) to its own Controller. The Controller is a deterministic state
+// machine and every rank feeds it the same input, so every rank reaches the same decisions in
+// the same order without a coordinator having to broadcast them: one collective per round
+// instead of a gather plus a broadcast.
 // Rank 0 still plays the coordinator where a decision depends on something outside the
 // messages: time. Stall deadlines are measured on rank 0's clock, carried in its message.
 //

@@ -216,7 +216,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
 
   const bool debug = logger_.Enabled(LogLevel::kDebug);
   const auto t0 = Clock::now();
-  std::vector<std::string> raw = channel_.Allgather(EncodeRankMessage(
+  std::vector<std::string> raw = channel_.Exchange(EncodeRankMessage(
       mine, [this](const Request& r) { return controller_.CacheLookup(rank_, r); }));
   std::vector<RankMessage> messages(size_);
   std::vector<int> shutting_down;
