@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,10 @@ class CollectiveBackend {
  public:
   virtual ~CollectiveBackend() = default;
   // op is kSum, kMin, kMax or kProduct (averaging is done by the executor).
-  virtual void Allreduce(at::Tensor& tensor, ReduceOp op) = 0;
+  void Allreduce(at::Tensor& tensor, ReduceOp op) { StartAllreduce(tensor, op)(); }
+  // Starts an allreduce and returns the function that waits for it (and throws its failure),
+  // so that several backends can run parts of one buffer at once (Note [CPU channels]).
+  virtual std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp op) = 0;
   virtual void Broadcast(at::Tensor& tensor, int root) = 0;
   // outputs[r] receives rank r's input; all have the input's size.
   virtual void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) = 0;

@@ -37,11 +37,12 @@ class C10dBackend final : public CollectiveBackend {
  public:
   explicit C10dBackend(c10::intrusive_ptr<c10d::Backend> backend) : backend_(std::move(backend)) {}
 
-  void Allreduce(at::Tensor& tensor, ReduceOp op) override {
+  std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp op) override {
     std::vector<at::Tensor> tensors{Unowned(tensor)};
     c10d::AllreduceOptions options;
     options.reduceOp = ToC10d(op);
-    Finish(backend_->allreduce(tensors, options));
+    c10::intrusive_ptr<c10d::Work> work = backend_->allreduce(tensors, options);
+    return [work] { Finish(work); };
   }
 
   void Broadcast(at::Tensor& tensor, int root) override {

@@ -38,14 +38,17 @@ Config ConfigFromEnvironment() {
 }
 
 std::unique_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
-                                   c10::intrusive_ptr<c10d::Backend> cpu,
+                                   std::vector<c10::intrusive_ptr<c10d::Backend>> cpu,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int rank,
                                    int size) {
   Config config = ConfigFromEnvironment();
   std::unique_ptr<CollectiveBackend> cuda_backend;
   if (cuda && *cuda) cuda_backend = MakeC10dBackend(*cuda);
+  if (cpu.empty()) Check(Status(StatusCode::kInternal, "an engine needs at least one CPU process group"));
+  std::vector<std::unique_ptr<CollectiveBackend>> cpu_backends;
+  for (auto& backend : cpu) cpu_backends.push_back(MakeC10dBackend(std::move(backend)));
   return std::make_unique<Engine>(config, rank, size, MakeC10dBackend(std::move(control)),
-                                  MakeC10dBackend(std::move(cpu)), std::move(cuda_backend));
+                                  std::move(cpu_backends), std::move(cuda_backend));
 }
 
 std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Tensor>& inputs,
@@ -259,6 +262,7 @@ py::dict ParseConfig(const std::map<std::string, std::string>& env) {
   out["log_level"] = static_cast<int>(config.log_level);
   out["cache_capacity"] = config.cache_capacity;
   out["inline_bytes"] = config.inline_bytes;
+  out["cpu_channels"] = config.cpu_channels;
   out["autotune"] = config.autotune;
   out["autotune_sample_seconds"] = config.autotune_sample_seconds;
   out["autotune_log_path"] = config.autotune_log_path;
@@ -284,7 +288,7 @@ PYBIND11_MODULE(_core, m) {
   });
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu").none(false),
+      .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu"),
            py::arg("cuda"), py::arg("rank"), py::arg("size"))
       .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
       .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())

@@ -76,6 +76,7 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
       integer("HVDLITE_CACHE_CAPACITY", 0, "a number of names >= 0 (0 disables)",
               &config.cache_capacity),
       integer("HVDLITE_INLINE_BYTES", 0, "a number of bytes >= 0 (0 disables)", &config.inline_bytes),
+      integer("HVDLITE_CPU_CHANNELS", 1, "a number of process groups from 1 to 16", &config.cpu_channels),
       integer("HVDLITE_AUTOTUNE", 0, "0 or 1", &autotune),
       number("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", 0.001, "seconds >= 0.001",
              &config.autotune_sample_seconds),
@@ -85,6 +86,9 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
   }
   if (config.inline_bytes > (1 << 20)) {
     return BadValue("HVDLITE_INLINE_BYTES", set("HVDLITE_INLINE_BYTES"), "at most 1048576 bytes");
+  }
+  if (config.cpu_channels > 16) {
+    return BadValue("HVDLITE_CPU_CHANNELS", set("HVDLITE_CPU_CHANNELS"), "a number of process groups from 1 to 16");
   }
   if (autotune > 1) return BadValue("HVDLITE_AUTOTUNE", set("HVDLITE_AUTOTUNE"), "0 or 1");
   config.autotune = autotune == 1;

@@ -35,6 +35,9 @@ struct Config {
   // HVDLITE_INLINE_BYTES: CPU tensors up to this size travel inside the negotiation round
   // (Note [Inline small tensors]); 0 disables inlining.
   int64_t inline_bytes = 512;
+  // HVDLITE_CPU_CHANNELS: Gloo process groups that carry CPU data; large allreduces are
+  // striped over them (Note [CPU channels] in executor.h). Rank 0's value applies to the job.
+  int64_t cpu_channels = 4;
   // HVDLITE_AUTOTUNE: 1 makes rank 0 search the fusion threshold and cycle time during the
   // first samples of the job (Note [Autotune] in autotune.h); the two above are its start.
   bool autotune = false;

@@ -22,22 +22,28 @@ Clock::duration Millis(double ms) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms));
 }
 
+std::vector<CollectiveBackend*> Pointers(const std::vector<std::unique_ptr<CollectiveBackend>>& owned) {
+  std::vector<CollectiveBackend*> out;
+  for (const auto& b : owned) out.push_back(b.get());
+  return out;
+}
+
 }  // namespace
 
 Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
-               std::unique_ptr<CollectiveBackend> cpu, std::unique_ptr<CollectiveBackend> cuda)
+               std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda)
     : config_(config),
       rank_(rank),
       size_(size),
       logger_(rank, config.log_level),
       control_backend_(std::move(control)),
-      cpu_backend_(std::move(cpu)),
+      cpu_backends_(std::move(cpu)),
       cuda_backend_(std::move(cuda)),
       timeline_(config.timeline_path, rank, size),
       channel_(control_backend_.get(), size),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
                   static_cast<size_t>(config.cache_capacity)),
-      executor_(rank, size, cpu_backend_.get(), cuda_backend_.get(), &queue_, &handles_, &timeline_),
+      executor_(rank, size, Pointers(cpu_backends_), cuda_backend_.get(), &queue_, &handles_, &timeline_),
       params_{config.fusion_threshold_bytes, config.cycle_time_ms} {
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);

@@ -63,8 +63,9 @@ struct EnqueueArgs {
 class Engine {
  public:
   // `cuda` may be null. The engine starts its thread at once.
+  // `cpu` holds one backend per CPU channel, at least one (Note [CPU channels] in executor.h).
   Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
-         std::unique_ptr<CollectiveBackend> cpu, std::unique_ptr<CollectiveBackend> cuda);
+         std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -97,7 +98,7 @@ class Engine {
   const int size_;
   Logger logger_;
   std::unique_ptr<CollectiveBackend> control_backend_;
-  std::unique_ptr<CollectiveBackend> cpu_backend_;
+  std::vector<std::unique_ptr<CollectiveBackend>> cpu_backends_;
   std::unique_ptr<CollectiveBackend> cuda_backend_;
   TensorQueue queue_;
   HandleTable handles_;

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <limits>
 #include <optional>
 
@@ -109,11 +111,11 @@ std::pair<int64_t, int64_t> ScatterRange(int64_t rows, int rank, int size) {
 
 }  // namespace
 
-Executor::Executor(int rank, int size, CollectiveBackend* cpu, CollectiveBackend* cuda,
+Executor::Executor(int rank, int size, std::vector<CollectiveBackend*> cpu, CollectiveBackend* cuda,
                    TensorQueue* queue, HandleTable* handles, Timeline* timeline)
     : rank_(rank),
       size_(size),
-      cpu_(cpu),
+      cpu_(std::move(cpu)),
       cuda_(cuda),
       queue_(queue),
       handles_(handles),
@@ -137,7 +139,7 @@ void Executor::Trace(const std::vector<Local>& locals, int64_t start_us, int64_t
 }
 
 CollectiveBackend* Executor::BackendFor(c10::Device device) {
-  return device.is_cpu() ? cpu_ : cuda_;
+  return device.is_cpu() ? cpu_.front() : cuda_;
 }
 
 c10::Stream Executor::EngineStream(c10::Device device) {
@@ -360,8 +362,9 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     // One tensor: reduce straight in the output, no fusion buffer.
     if (!first.output.is_same(first.input)) first.output.copy_(first.input);
     Scale(first.output, request.prescale);
+    at::Tensor flat = first.output.view({-1});
     CollectiveStarts();
-    backend->Allreduce(first.output, wire_op);
+    AllreduceFlat(flat, wire_op, backend);
     CollectiveEnds();
     Postprocess(first.output, average, item.contributors, request.postscale);
     return;
@@ -377,7 +380,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   if (total > 0) {
     Scale(buffer, request.prescale);
     CollectiveStarts();
-    backend->Allreduce(buffer, wire_op);
+    AllreduceFlat(buffer, wire_op, backend);
     CollectiveEnds();
     Postprocess(buffer, average, item.contributors, request.postscale);
   }
@@ -392,6 +395,38 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     }
     offset += local.entry.input.numel();
   }
+}
+
+void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend) {
+  // Note [CPU channels]
+  constexpr int64_t kStripeBytes = 8LL << 20;
+  const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
+  const int64_t stripes =
+      flat.device().is_cpu() ? std::min<int64_t>(static_cast<int64_t>(cpu_.size()), bytes / kStripeBytes) : 1;
+  if (stripes <= 1) {
+    backend->Allreduce(flat, op);
+    return;
+  }
+  const int64_t per = (flat.numel() + stripes - 1) / stripes;
+  std::vector<std::function<void()>> waits;
+  std::exception_ptr failure;
+  for (int64_t i = 0; i < stripes && i * per < flat.numel(); ++i) {
+    at::Tensor stripe = flat.narrow(0, i * per, std::min(per, flat.numel() - i * per));
+    try {
+      waits.push_back(cpu_[i]->StartAllreduce(stripe, op));
+    } catch (...) {
+      failure = std::current_exception();
+      break;
+    }
+  }
+  for (auto& wait : waits) {  // every started stripe is waited for before anything is thrown
+    try {
+      wait();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
 }
 
 void Executor::Broadcast(std::vector<Local>& locals, CollectiveBackend* backend) {

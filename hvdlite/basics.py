@@ -1,7 +1,7 @@
 """Starting and stopping hvdlite, and what a rank knows about the job.
 
 ``init()`` reads the launcher's environment (see ``_environment.py``), rendezvouses, creates
-the process groups the native engine uses (a Gloo group for negotiation, a Gloo group for CPU
+the process groups the native engine uses (a Gloo group for negotiation, Gloo groups for CPU
 data, an NCCL group for CUDA data where CUDA is available) and starts the engine. All state
 lives in one ``_State`` object, created by ``init()`` and dropped by ``shutdown()``.
 """
@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import ipaddress
 import itertools
+import os
 import socket
 import threading
 
@@ -132,13 +133,26 @@ def _rendezvous(topology, rendezvous):
 
 
 def _start_engine(state_like, tag, rank, size):
-    """Creates the process groups of one engine (over `size` ranks) and starts it."""
+    """Creates the process groups of one engine (over `size` ranks) and starts it.
+
+    Groups: one for negotiation, HVDLITE_CPU_CHANNELS for CPU data (large allreduces are striped
+    over them, Note [CPU channels] in csrc/executor.h) and one NCCL group where CUDA is available.
+    """
     store, prefix, loopback = state_like
     base = f"{prefix}{tag}/"
     control = _gloo_group(dist.PrefixStore(base + "control", store), rank, size, loopback)
-    cpu = _gloo_group(dist.PrefixStore(base + "cpu", store), rank, size, loopback)
+    cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
+           for i in range(_cpu_channels(store, base, rank))]
     cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
     return _core.Engine(control, cpu, cuda, rank, size), (control, cpu, cuda)
+
+
+def _cpu_channels(store, base, rank):
+    """Rank 0's HVDLITE_CPU_CHANNELS, so that every rank creates the same process groups."""
+    key = base + "cpu_channels"
+    if rank == 0:
+        store.set(key, str(_core._parse_config(dict(os.environ))["cpu_channels"]))
+    return int(store.get(key))
 
 
 def _topology_from_hosts(topology, hosts):

@@ -17,6 +17,7 @@ class CoreKnobs:
 
     fusion_threshold_mb: Optional[float] = None
     cycle_time_ms: Optional[float] = None
+    cpu_channels: Optional[int] = None
     timeline_filename: Optional[str] = None
     autotune: bool = False
     autotune_log_file: Optional[str] = None
@@ -30,6 +31,8 @@ class CoreKnobs:
             env["HVDLITE_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
         if self.cycle_time_ms is not None:
             env["HVDLITE_CYCLE_TIME"] = f"{self.cycle_time_ms:g}"
+        if self.cpu_channels is not None:
+            env["HVDLITE_CPU_CHANNELS"] = str(self.cpu_channels)
         if self.timeline_filename is not None:
             env["HVDLITE_TIMELINE"] = self.timeline_filename
         if self.autotune:

@@ -52,7 +52,7 @@ environment of each rank:
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
                                             torchrun's names, for plain torch.distributed;
                                             MASTER_PORT differs from the rendezvous port
-  plus HVDLITE_FUSION_THRESHOLD, HVDLITE_CYCLE_TIME, HVDLITE_TIMELINE, HVDLITE_AUTOTUNE,
+  plus HVDLITE_FUSION_THRESHOLD, HVDLITE_CYCLE_TIME, HVDLITE_CPU_CHANNELS, HVDLITE_TIMELINE, HVDLITE_AUTOTUNE,
   HVDLITE_AUTOTUNE_LOG, HVDLITE_LOG_LEVEL, HVDLITE_STALL_CHECK_TIME_SECONDS,
   HVDLITE_STALL_SHUTDOWN_TIME_SECONDS from the flags above.
 
@@ -106,6 +106,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _channels(text: str) -> int:
+    value = _positive_int(text)
+    if value > 16:
+        raise argparse.ArgumentTypeError(f"at most 16 channels, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -153,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
                       help="shortest time between two busy negotiation rounds; 0 runs each round "
                            "as soon as the previous one ends (HVDLITE_CYCLE_TIME)")
+    core.add_argument("--cpu-channels", type=_channels, metavar="N",
+                      help="Gloo process groups for CPU data; large allreduces are striped over "
+                           "them (HVDLITE_CPU_CHANNELS, 1-16; core default 4)")
     core.add_argument("--timeline-filename", metavar="FILE",
                       help="write a Chrome trace timeline (HVDLITE_TIMELINE)")
     core.add_argument("--autotune", action="store_true",
@@ -212,6 +222,7 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
     knobs = CoreKnobs(
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
+        cpu_channels=args.cpu_channels,
         timeline_filename=args.timeline_filename,
         autotune=args.autotune,
         autotune_log_file=args.autotune_log_file,

@@ -275,6 +275,14 @@ def test_tuned_parameters_travel_in_rank_messages():
         _core._decode_message(_core._encode_message(bad))
 
 
+def test_cpu_channels_config():
+    assert _core._parse_config({})["cpu_channels"] == 4
+    assert _core._parse_config({"HVDLITE_CPU_CHANNELS": "1"})["cpu_channels"] == 1
+    for value in ("0", "17", "two"):
+        with pytest.raises(ValueError, match=f"invalid HVDLITE_CPU_CHANNELS='{value}'"):
+            _core._parse_config({"HVDLITE_CPU_CHANNELS": value})
+
+
 def test_autotune_config_is_strict():
     c = _core._parse_config({"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_SAMPLE_SECONDS": "0.25",
                              "HVDLITE_AUTOTUNE_LOG": "/tmp/at.csv"})

@@ -22,12 +22,13 @@ def test_parse_config_hosts_default_np_to_all_slots():
 def test_parse_config_core_knobs_become_variables():
     config, _ = parse_config(["-np", "1", "--fusion-threshold-mb", "0.5", "--cycle-time-ms", "1",
                               "--timeline-filename", "t.json", "--verbose", "--autotune",
-                              "--autotune-log-file", "at.csv",
+                              "--autotune-log-file", "at.csv", "--cpu-channels", "2",
                               "--stall-check-time-seconds", "60",
                               "--stall-shutdown-time-seconds", "120.5", "x"])
     assert config.knobs.core_env() == {
         "HVDLITE_FUSION_THRESHOLD": str(512 * 1024),
         "HVDLITE_CYCLE_TIME": "1",
+        "HVDLITE_CPU_CHANNELS": "2",
         "HVDLITE_TIMELINE": "t.json",
         "HVDLITE_AUTOTUNE": "1",
         "HVDLITE_AUTOTUNE_LOG": "at.csv",

@@ -1,0 +1,56 @@
+"""Large CPU allreduces striped over several Gloo groups (Note [CPU channels], csrc/executor.h).
+
+Striping starts at 16 MiB; these tensors are cut into 2 to 4 stripes, with element counts that
+do not divide evenly, and every rank's result is checked against an independent reference.
+"""
+
+import pytest
+import torch
+
+import hvdlite as hvd
+from tests.harness import Job, run_ranks
+from tests.multirank._reference import assert_close, rank_input, reduce_reference
+
+MIB = 1 << 20
+
+
+def _striped_allreduces():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    cases = [
+        # (seed, elements, dtype, op): 17 MiB and 33 MiB of float32, 20 MiB of int32, float64
+        (1, 17 * MIB // 4 + 3, torch.float32, hvd.Sum),
+        (2, 33 * MIB // 4 + 1, torch.float32, hvd.Average),
+        (3, 20 * MIB // 4 + 5, torch.int32, hvd.Max),
+        (4, 18 * MIB // 8 + 7, torch.float64, hvd.Min),
+    ]
+    for seed, n, dtype, op in cases:
+        inputs = [rank_input(seed, r, (n,), dtype, op) for r in range(size)]
+        expected = reduce_reference(inputs, op)
+        what = f"allreduce of {n} {dtype} (op {op}) on rank {rank}"
+        assert_close(hvd.allreduce(inputs[rank], op=op, name=f"big.{seed}"), expected, dtype, what)
+    # fused: many tensors whose buffer is striped, in place, async
+    shapes = [(1000, 1000), (3, 1_500_000), (7,), (2_000_001,)]
+    inputs = [[rank_input(10 + i, r, s, torch.float32) for i, s in enumerate(shapes)] for r in range(size)]
+    mine = [t.clone() for t in inputs[rank]]
+    handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"fused.{i}") for i, t in enumerate(mine)]
+    for h in handles:
+        hvd.synchronize(h)
+    for i, t in enumerate(mine):
+        expected = reduce_reference([inputs[r][i] for r in range(size)], hvd.Sum)
+        assert_close(t, expected, torch.float32, f"fused tensor {i} on rank {rank}")
+    hvd.shutdown()
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_striped_allreduce_matches_reference(size):
+    assert all(run_ranks(size, __name__, "_striped_allreduces", timeout=120))
+
+
+def test_channel_count_is_rank_0s_when_ranks_disagree():
+    # rank 1 asks for one channel, rank 0 for three: everyone must use rank 0's three groups,
+    # or the group rendezvous would hang; results must still be exact
+    job = Job(2, __name__, "_striped_allreduces", env={"HVDLITE_CPU_CHANNELS": "3"},
+              rank_env_extra={1: {"HVDLITE_CPU_CHANNELS": "1"}})
+    assert all(job.wait(timeout=120))
