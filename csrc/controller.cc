@@ -138,18 +138,18 @@ Controller::Controller(int size, double stall_check_seconds, double stall_shutdo
       joined_(size, false),
       cache_(cache_capacity, size) {}
 
-RoundResult Controller::ProcessRound(const std::vector<RankMessage>& messages) {
+RoundResult Controller::ProcessRound(std::vector<RankMessage> messages) {
   RoundResult result;
   const int64_t now_ms = messages.front().clock_ms;
   bool any_request = false;
   result.all_outstanding = true;
   for (int rank = 0; rank < static_cast<int>(messages.size()); ++rank) {
-    const RankMessage& message = messages[rank];
+    RankMessage& message = messages[rank];
     if (message.flags & kFlagShutdown) result.shutdown = true;
     if (!(message.flags & kFlagHasOutstanding)) result.all_outstanding = false;
-    for (const Request& request : message.requests) {
+    for (Request& request : message.requests) {
       any_request = true;
-      Record(rank, request, now_ms, &result.ready);
+      Record(rank, std::move(request), now_ms, &result.ready);
     }
   }
   InspectStalls(now_ms, &result);
@@ -157,7 +157,7 @@ RoundResult Controller::ProcessRound(const std::vector<RankMessage>& messages) {
   return result;
 }
 
-void Controller::Record(int rank, const Request& request, int64_t now_ms,
+void Controller::Record(int rank, Request&& request, int64_t now_ms,
                         std::vector<ReadyItem>* ready) {
   auto inserted = pending_.try_emplace(request.name);
   Pending& pending = inserted.first->second;
@@ -166,7 +166,7 @@ void Controller::Record(int rank, const Request& request, int64_t now_ms,
     pending.submitted.assign(size_, false);
     pending.first_seen_ms = now_ms;
     pending.sequence = next_sequence_++;
-    arrival_.emplace(pending.sequence, request.name);
+    arrival_.emplace(pending.sequence, &inserted.first->first);  // node keys do not move
   }
   if (pending.submitted[rank]) {
     // The tensor queue refuses a name that is already in flight, so this is a bug.
@@ -179,10 +179,11 @@ void Controller::Record(int rank, const Request& request, int64_t now_ms,
     ready->push_back(std::move(item));
     return;
   }
-  pending.by_rank[rank] = request;
+  const bool join = request.kind == CollectiveKind::kJoin;
+  pending.by_rank[rank] = std::move(request);
   pending.submitted[rank] = true;
   ++pending.count;
-  if (request.kind == CollectiveKind::kJoin) {
+  if (join) {
     joined_[rank] = true;
     last_joined_ = rank;
     // Names this rank had not submitted may now be complete (Note [Join]).
@@ -191,7 +192,7 @@ void Controller::Record(int rank, const Request& request, int64_t now_ms,
   }
   if (!Complete(pending)) return;
   ReadyItem item = MakeReady(pending);
-  Erase(request.name);
+  Erase(item.request.name);
   Release(std::move(item), ready);
 }
 
@@ -209,7 +210,7 @@ bool Controller::Complete(const Pending& pending) const {
 void Controller::ReleaseCompleted(std::vector<ReadyItem>* ready) {
   std::vector<std::string> complete;
   for (const auto& [sequence, name] : arrival_) {
-    if (Complete(pending_.at(name))) complete.push_back(name);
+    if (Complete(pending_.at(*name))) complete.push_back(*name);
   }
   for (const std::string& name : complete) {
     ReadyItem item = MakeReady(pending_.at(name));
@@ -238,15 +239,20 @@ ReadyItem Controller::MakeReady(Pending& pending) {
       item.joined.push_back(r);
     }
   }
-  item.request = requests.front();
-  item.request.payload.clear();
   item.contributors = static_cast<int>(ranks.size());
-  const Request& request = item.request;
+  // The lowest submitting rank's request becomes the item's, moved in last (payloads go to
+  // item.payloads, not into the agreed request).
+  const Request& request = requests.front();
+  auto finished = [&]() -> ReadyItem {
+    item.request = std::move(requests.front());
+    item.request.payload.clear();
+    return std::move(item);
+  };
   auto subject = [&] { return std::string(KindName(request.kind)) + " of '" + request.name + "': "; };
   std::string mismatch = CheckAgreement(ranks, requests);
   if (!mismatch.empty()) {
     item.status = Status(StatusCode::kMismatch, mismatch);
-    return item;
+    return finished();
   }
   if (request.kind != CollectiveKind::kJoin && request.kind != CollectiveKind::kBarrier) {
     cache_.Record(ranks, requests);
@@ -285,12 +291,12 @@ ReadyItem Controller::MakeReady(Pending& pending) {
         item.status = Status(StatusCode::kMismatch,
                              subject() + "rank " + std::to_string(r) + " sent splits that do not cover " +
                                  ShapeString(mine.shape) + " across " + std::to_string(size_) + " ranks");
-        return item;
+        return finished();
       }
       item.rank_splits[r] = mine.splits;
     }
   }
-  return item;
+  return finished();
 }
 
 void Controller::Release(ReadyItem item, std::vector<ReadyItem>* ready) {

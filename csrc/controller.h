@@ -69,8 +69,8 @@ class Controller {
   Controller(int size, double stall_check_seconds, double stall_shutdown_seconds,
              size_t cache_capacity = 0);
 
-  // messages[r] is rank r's message for this round.
-  RoundResult ProcessRound(const std::vector<RankMessage>& messages);
+  // messages[r] is rank r's message for this round; its requests are moved into the table.
+  RoundResult ProcessRound(std::vector<RankMessage> messages);
 
   size_t pending_count() const { return pending_.size(); }
   // Note [Response cache]: how `rank` may abbreviate a request, and how to expand it.
@@ -88,7 +88,7 @@ class Controller {
     int64_t warned_at_ms = -1;
   };
 
-  void Record(int rank, const Request& request, int64_t now_ms, std::vector<ReadyItem>* ready);
+  void Record(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready);
   bool Complete(const Pending& pending) const;
   // Emits (and forgets) the pending names that are now complete, in arrival order.
   void ReleaseCompleted(std::vector<ReadyItem>* ready);
@@ -101,7 +101,7 @@ class Controller {
   int64_t stall_check_ms_;
   int64_t stall_shutdown_ms_;
   std::unordered_map<std::string, Pending> pending_;
-  std::map<uint64_t, std::string> arrival_;  // sequence -> name, for every pending name
+  std::map<uint64_t, const std::string*> arrival_;  // sequence -> pending_'s key, for every name
   uint64_t next_sequence_ = 0;
   std::vector<bool> joined_;
   int last_joined_ = -1;

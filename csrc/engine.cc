@@ -115,9 +115,12 @@ Status Engine::Poll(int64_t handle, bool* done) { return handles_.Poll(handle, d
 
 Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux) {
   Completion completion;
-  queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
-  Status status = handles_.Wait(handle, &completion);
-  queue_.RemoveWaiter();
+  Status status;
+  if (!handles_.TryTake(handle, &completion, &status)) {  // it is still running: block
+    queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
+    status = handles_.Wait(handle, &completion);
+    queue_.RemoveWaiter();
+  }
   if (!status.ok()) return status;
   if (!completion.status.ok()) return completion.status;
   if (completion.done_event && completion.output.defined()) {
@@ -240,7 +243,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   }
   if (messages.front().flags & kFlagTuned) params_ = messages.front().tuned;  // Note [Autotune]
   const auto t1 = Clock::now();
-  RoundResult round = controller_.ProcessRound(messages);
+  RoundResult round = controller_.ProcessRound(std::move(messages));
   if (!round.stall_warning.empty()) logger_.Log(LogLevel::kWarning, round.stall_warning);
   const size_t ready = round.ready.size();
   std::vector<Batch> batches = PlanBatches(std::move(round.ready), params_.fusion_threshold_bytes);

@@ -145,6 +145,20 @@ void HandleTable::Discard(int64_t handle) {
   slots_.erase(handle);
 }
 
+bool HandleTable::TryTake(int64_t handle, Completion* out, Status* status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(handle);
+  if (it == slots_.end()) {
+    *status = UnknownHandle(handle);
+    return true;
+  }
+  if (!it->second.done) return false;
+  *out = std::move(it->second.completion);
+  slots_.erase(it);
+  *status = Status::Ok();
+  return true;
+}
+
 Status HandleTable::Wait(int64_t handle, Completion* out) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = slots_.find(handle);

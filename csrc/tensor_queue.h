@@ -98,6 +98,9 @@ class HandleTable {
   void Discard(int64_t handle);
   // Blocks until the handle completes, then consumes it.
   Status Wait(int64_t handle, Completion* out);
+  // Consumes the handle if it has completed (true); false if it is still running. An unknown
+  // handle counts as completed, with that error in `status`.
+  bool TryTake(int64_t handle, Completion* out, Status* status);
 
  private:
   struct Slot {
