@@ -357,6 +357,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   int64_t total = 0;
   for (Local& local : locals) total += local.entry.input.numel();
 
+  auto finish = [&](at::Tensor& part) { Postprocess(part, average, item.contributors, request.postscale); };
   Entry& first = locals.front().entry;
   if (!scatter && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
     // One tensor: reduce straight in the output, no fusion buffer.
@@ -364,9 +365,8 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     Scale(first.output, request.prescale);
     at::Tensor flat = first.output.view({-1});
     CollectiveStarts();
-    AllreduceFlat(flat, wire_op, backend);
+    AllreduceFlat(flat, wire_op, backend, finish);
     CollectiveEnds();
-    Postprocess(first.output, average, item.contributors, request.postscale);
     return;
   }
   // Note [Reducescatter over Gloo]: a reducescatter reduces the whole (fused) buffer and keeps
@@ -380,9 +380,8 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   if (total > 0) {
     Scale(buffer, request.prescale);
     CollectiveStarts();
-    AllreduceFlat(buffer, wire_op, backend);
+    AllreduceFlat(buffer, wire_op, backend, finish);
     CollectiveEnds();
-    Postprocess(buffer, average, item.contributors, request.postscale);
   }
   offset = 0;
   for (Local& local : locals) {
@@ -397,7 +396,8 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   }
 }
 
-void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend) {
+void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend,
+                             const std::function<void(at::Tensor&)>& finish) {
   // Note [CPU channels]
   constexpr int64_t kStripeBytes = 8LL << 20;
   const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
@@ -405,23 +405,26 @@ void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* b
       flat.device().is_cpu() ? std::min<int64_t>(static_cast<int64_t>(cpu_.size()), bytes / kStripeBytes) : 1;
   if (stripes <= 1) {
     backend->Allreduce(flat, op);
+    finish(flat);
     return;
   }
   const int64_t per = (flat.numel() + stripes - 1) / stripes;
+  std::vector<at::Tensor> parts;
   std::vector<std::function<void()>> waits;
   std::exception_ptr failure;
   for (int64_t i = 0; i < stripes && i * per < flat.numel(); ++i) {
-    at::Tensor stripe = flat.narrow(0, i * per, std::min(per, flat.numel() - i * per));
+    parts.push_back(flat.narrow(0, i * per, std::min(per, flat.numel() - i * per)));
     try {
-      waits.push_back(cpu_[i]->StartAllreduce(stripe, op));
+      waits.push_back(cpu_[i]->StartAllreduce(parts.back(), op));
     } catch (...) {
       failure = std::current_exception();
       break;
     }
   }
-  for (auto& wait : waits) {  // every started stripe is waited for before anything is thrown
+  for (size_t i = 0; i < waits.size(); ++i) {  // every started stripe is waited for before anything is thrown
     try {
-      wait();
+      waits[i]();
+      if (!failure) finish(parts[i]);
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }

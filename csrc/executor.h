@@ -21,6 +21,7 @@
 
 #include <c10/core/Stream.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -52,8 +53,11 @@ class Executor {
   CollectiveBackend* BackendFor(c10::Device device);
   Entry NeutralEntry(const ReadyItem& item);
   void Reduce(std::vector<Local>& locals, CollectiveBackend* backend);
-  // Allreduces a flat contiguous tensor, striped over the CPU channels when it is large.
-  void AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend);
+  // Allreduces a flat contiguous tensor, striped over the CPU channels when it is large, and
+  // applies `finish` to each part as soon as that part is reduced (the others may still be in
+  // flight): averaging and postscaling overlap the rest of the collective.
+  void AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend,
+                     const std::function<void(at::Tensor&)>& finish);
   void Broadcast(std::vector<Local>& locals, CollectiveBackend* backend);
   void Allgather(Local& local, CollectiveBackend* backend);
   void Alltoall(Local& local, CollectiveBackend* backend);

@@ -18,11 +18,12 @@ def _striped_allreduces():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     cases = [
-        # (seed, elements, dtype, op): 17 MiB and 33 MiB of float32, 20 MiB of int32, float64
+        # (seed, elements, dtype, op): 17 to 33 MiB of float32, int32, float64, int64
         (1, 17 * MIB // 4 + 3, torch.float32, hvd.Sum),
         (2, 33 * MIB // 4 + 1, torch.float32, hvd.Average),
         (3, 20 * MIB // 4 + 5, torch.int32, hvd.Max),
         (4, 18 * MIB // 8 + 7, torch.float64, hvd.Min),
+        (5, 17 * MIB // 8 + 9, torch.int64, hvd.Average),  # averaged stripe by stripe, truncated
     ]
     for seed, n, dtype, op in cases:
         inputs = [rank_input(seed, r, (n,), dtype, op) for r in range(size)]
