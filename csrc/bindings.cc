@@ -263,6 +263,8 @@ py::dict ParseConfig(const std::map<std::string, std::string>& env) {
   out["cache_capacity"] = config.cache_capacity;
   out["inline_bytes"] = config.inline_bytes;
   out["cpu_channels"] = config.cpu_channels;
+  out["gather_bytes"] = config.gather_bytes;
+  out["gather_max_ms"] = config.gather_max_ms;
   out["autotune"] = config.autotune;
   out["autotune_sample_seconds"] = config.autotune_sample_seconds;
   out["autotune_log_path"] = config.autotune_log_path;

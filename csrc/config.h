@@ -35,6 +35,11 @@ struct Config {
   // HVDLITE_INLINE_BYTES: CPU tensors up to this size travel inside the negotiation round
   // (Note [Inline small tensors]); 0 disables inlining.
   int64_t inline_bytes = 512;
+  // HVDLITE_GATHER_BYTES / HVDLITE_GATHER_MAX_MS: a round with less than this many new bytes
+  // waits for more, for a waiting caller, or this long (Note [Gathering by size] in engine.h);
+  // 0 bytes disables the hold.
+  int64_t gather_bytes = 4LL << 20;
+  double gather_max_ms = 100.0;
   // HVDLITE_CPU_CHANNELS: Gloo process groups that carry CPU data; large allreduces are
   // striped over them (Note [CPU channels] in executor.h). Rank 0's value applies to the job.
   int64_t cpu_channels = 4;

@@ -83,6 +83,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     entry.input = std::move(a.input);
     entry.output = std::move(a.output);
     entry.enqueued_us = MonotonicMicros();
+    entry.bytes = entry.input.numel() * static_cast<int64_t>(entry.input.element_size());
     entries.push_back(std::move(entry));
   }
   std::vector<int64_t> created;
@@ -159,7 +160,10 @@ void Engine::Loop() {
       // Note [A waiting caller ends the gathering]
       auto next = last_round + Millis(params_.cycle_time_ms);
       const bool waited = Clock::now() < next && queue_.PauseUnlessWaited(next);
-      if (has_new && !waited) CoalesceBurst();
+      if (has_new && !waited) {
+        CoalesceBurst();
+        GatherBySize();
+      }
     } else {
       auto wait = stuck ? backoff : IdleHeartbeat(Clock::now() - last_busy);
       queue_.WaitForWork(Clock::now() + wait);
@@ -203,6 +207,14 @@ void Engine::CoalesceBurst() {
     if (latest == newest) return;  // nothing arrived during the pause: the burst is over
     newest = latest;
   }
+}
+
+void Engine::GatherBySize() {
+  // Note [Gathering by size]
+  if (config_.gather_bytes <= 0 || shutdown_requested_ || queue_.NewBytes() >= config_.gather_bytes) return;
+  const auto deadline = queue_.NewSpan().first + Millis(config_.gather_max_ms);
+  // Reached by a push: that push may start a burst, which goes into the same round.
+  if (queue_.PauseUntilBytes(config_.gather_bytes, deadline)) CoalesceBurst();
 }
 
 Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {

@@ -18,6 +18,19 @@
 // round changed nothing (ranks submitted different names), rounds back off exponentially up to
 // the heartbeat instead of spinning, until local work arrives.
 //
+// Note [Gathering by size]
+// Every round costs both Gloo collectives' fixed CPU (about 0.7 ms of process CPU each on the
+// 2-rank reference VM, a 4 KB allreduce included), taken from a backward pass that shares the
+// core. Negotiating each layer's gradients as they appear cost a compute-bound CNN 14-18 rounds
+// per step where DDP runs two buckets, and 40-90 ms more CPU per step than DDP. So after a
+// burst, a round whose new requests add up to less than HVDLITE_GATHER_BYTES (default 4 MiB)
+// is held until more arrive, a caller waits (the optimizer's step() does; Note [A waiting
+// caller ends the gathering]) or HVDLITE_GATHER_MAX_MS (default 100) passes since the oldest
+// of them. Large gradients, which a communication-bound model wants on the wire at once, are
+// never held. Measured on SmallCNN (2 ranks, hvdlite/DDP step time, one run each): 1.03-1.07
+// negotiating layer by layer, 1.03 with 1 MiB / 50 ms, 1.00 with 4 MiB / 200 ms; process CPU
+// per step fell to DDP's.
+//
 // Note [Fatal errors]
 // A collective that throws (a dead peer, a transport error) or a malformed control message
 // makes the engine unusable: the thread completes every pending handle with a kRankFailure
@@ -88,6 +101,7 @@ class Engine {
   bool RunRound(bool* stuck, bool* quiet);
   Clock::duration IdleHeartbeat(Clock::duration idle_for) const;
   void CoalesceBurst();
+  void GatherBySize();
   void Stop(const Status& status);
   void MaybeInline(Request* r, const at::Tensor& input) const;
   // Note [Autotune]: feeds rank 0's tuner after a round that moved `bytes`.

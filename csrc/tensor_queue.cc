@@ -26,11 +26,13 @@ Status TensorQueue::Push(std::vector<Entry> entries) {
   if (new_requests_.empty()) oldest_new_ = now;
   newest_new_ = now;
   for (Entry& entry : entries) {
+    new_bytes_ += entry.bytes;
     new_requests_.push_back(entry.request);
     std::string name = entry.request.name;
     in_flight_.emplace(std::move(name), std::move(entry));
   }
   cv_.notify_one();
+  if (hold_bytes_ > 0 && new_bytes_ >= hold_bytes_) pause_cv_.notify_one();
   return Status::Ok();
 }
 
@@ -38,6 +40,7 @@ std::vector<Request> TensorQueue::TakeNewRequests() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Request> taken;
   taken.swap(new_requests_);
+  new_bytes_ = 0;
   return taken;
 }
 
@@ -90,6 +93,19 @@ void TensorQueue::RemoveWaiter() {
   --waiters_;
 }
 
+bool TensorQueue::PauseUntilBytes(int64_t bytes, std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  hold_bytes_ = bytes;
+  pause_cv_.wait_until(lock, deadline, [&] { return woken_ || waiters_ > 0 || new_bytes_ >= bytes; });
+  hold_bytes_ = 0;
+  return waiters_ == 0 && new_bytes_ >= bytes;
+}
+
+int64_t TensorQueue::NewBytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return new_bytes_;
+}
+
 bool TensorQueue::PauseUnlessWaited(std::chrono::steady_clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   pause_cv_.wait_until(lock, deadline, [&] { return woken_ || waiters_ > 0; });
@@ -103,6 +119,7 @@ std::vector<Entry> TensorQueue::Close(const Status& status) {
   for (auto& [name, entry] : in_flight_) remaining.push_back(std::move(entry));
   in_flight_.clear();
   new_requests_.clear();
+  new_bytes_ = 0;
   return remaining;
 }
 

@@ -33,6 +33,7 @@ struct Entry {
   at::Tensor output;  // allreduce/broadcast: allocated by Python (the input itself if in place)
   std::shared_ptr<c10::Event> ready_event;  // non-CPU tensors: recorded on the caller's stream
   int64_t enqueued_us = 0;                  // for the timeline
+  int64_t bytes = 0;                        // the input's size (Note [Gathering by size])
 };
 
 class TensorQueue {
@@ -65,6 +66,10 @@ class TensorQueue {
   void RemoveWaiter();
   // Sleeps until `deadline`, Wake(), or while a caller waits; true if a caller waits.
   bool PauseUnlessWaited(std::chrono::steady_clock::time_point deadline);
+  // Note [Gathering by size]: like PauseUnlessWaited, and also ends once the requests not yet
+  // taken add up to `bytes` (the push that crosses it wakes the pause). True if it ended that way.
+  bool PauseUntilBytes(int64_t bytes, std::chrono::steady_clock::time_point deadline);
+  int64_t NewBytes();
 
   // Refuses every later push with `status` and returns every entry still in flight.
   std::vector<Entry> Close(const Status& status);
@@ -75,6 +80,8 @@ class TensorQueue {
   std::condition_variable pause_cv_;
   bool woken_ = false;
   int waiters_ = 0;
+  int64_t new_bytes_ = 0;   // of the requests not yet taken
+  int64_t hold_bytes_ = 0;  // > 0 while PauseUntilBytes waits for that many
   Status closed_;
   std::unordered_map<std::string, Entry> in_flight_;
   std::vector<Request> new_requests_;

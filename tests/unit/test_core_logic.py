@@ -275,6 +275,16 @@ def test_tuned_parameters_travel_in_rank_messages():
         _core._decode_message(_core._encode_message(bad))
 
 
+def test_gather_config():
+    c = _core._parse_config({})
+    assert c["gather_bytes"] == 4 << 20 and c["gather_max_ms"] == 100
+    c = _core._parse_config({"HVDLITE_GATHER_BYTES": "0", "HVDLITE_GATHER_MAX_MS": "2.5"})
+    assert c["gather_bytes"] == 0 and c["gather_max_ms"] == 2.5
+    for var, value in [("HVDLITE_GATHER_BYTES", "-1"), ("HVDLITE_GATHER_MAX_MS", "soon")]:
+        with pytest.raises(ValueError, match=f"invalid {var}='{value}'"):
+            _core._parse_config({var: value})
+
+
 def test_cpu_channels_config():
     assert _core._parse_config({})["cpu_channels"] == 4
     assert _core._parse_config({"HVDLITE_CPU_CHANNELS": "1"})["cpu_channels"] == 1
