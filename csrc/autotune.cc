@@ -52,19 +52,19 @@ bool Autotuner::Record(int64_t bytes, double now_seconds) {
   sample_bytes_ += bytes;
   const double elapsed = now_seconds - sample_start_;
   if (elapsed < sample_seconds_ || sample_bytes_ == 0) return false;
-  samples_.push_back({current_, sample_bytes_, elapsed, PhaseName()});
+  samples_.push_back({current_, sample_bytes_, elapsed, phase_});
   sample_start_ = now_seconds;
   sample_bytes_ = 0;
   Advance();
   return true;
 }
 
-const char* Autotuner::PhaseName() const {
-  switch (phase_) {
-    case Phase::kWarmup: return "warmup";
-    case Phase::kThreshold: return "threshold";
-    case Phase::kCycle: return "cycle";
-    case Phase::kConfirm: return "confirm";
+const char* AutotunePhaseName(AutotunePhase phase) {
+  switch (phase) {
+    case AutotunePhase::kWarmup: return "warmup";
+    case AutotunePhase::kThreshold: return "threshold";
+    case AutotunePhase::kCycle: return "cycle";
+    case AutotunePhase::kConfirm: return "confirm";
     default: return "done";
   }
 }
@@ -73,7 +73,7 @@ double Autotuner::MeanScore(const TunedParams& params) const {
   double sum = 0.0;
   int n = 0;
   for (const AutotuneSample& s : samples_) {
-    if (s.params == params && std::string(s.phase) != "warmup") {
+    if (s.params == params && s.phase != AutotunePhase::kWarmup) {
       sum += s.BytesPerSecond();
       ++n;
     }
@@ -87,44 +87,47 @@ void Autotuner::Advance() {
     current_ = PopFront(&queue_);
     return;
   }
-  auto best_of = [&](const char* phase_a, const char* phase_b, int64_t threshold) {
+  // The best sample of the threshold phase (and, with `with_cycles`, of the cycle phase at
+  // the kept threshold).
+  auto best_of = [&](bool with_cycles) {
     const AutotuneSample* best = nullptr;
     for (const AutotuneSample& s : samples_) {
-      const std::string phase = s.phase;
-      if (phase != phase_a && phase != phase_b) continue;
-      if (threshold >= 0 && s.params.fusion_threshold_bytes != threshold) continue;
+      const bool candidate = s.phase == AutotunePhase::kThreshold ||
+                             (with_cycles && s.phase == AutotunePhase::kCycle);
+      if (!candidate) continue;
+      if (with_cycles && s.params.fusion_threshold_bytes != best_.fusion_threshold_bytes) continue;
       if (!best || s.BytesPerSecond() > best->BytesPerSecond()) best = &s;
     }
     return best ? best->params : start_;
   };
   switch (phase_) {
-    case Phase::kWarmup:
-      phase_ = Phase::kThreshold;
+    case AutotunePhase::kWarmup:
+      phase_ = AutotunePhase::kThreshold;
       queue_ = ThresholdCandidates(start_);
       break;
-    case Phase::kThreshold:
-      best_ = best_of("threshold", "threshold", -1);
-      phase_ = Phase::kCycle;
+    case AutotunePhase::kThreshold:
+      best_ = best_of(false);
+      phase_ = AutotunePhase::kCycle;
       queue_ = CycleCandidates(best_, start_.cycle_time_ms);
       break;
-    case Phase::kCycle:
-      best_ = best_of("threshold", "cycle", best_.fusion_threshold_bytes);
-      phase_ = Phase::kConfirm;
+    case AutotunePhase::kCycle:
+      best_ = best_of(true);
+      phase_ = AutotunePhase::kConfirm;
       if (!(best_ == start_)) queue_ = {start_, best_, start_, best_};
       break;
-    case Phase::kConfirm:
-    case Phase::kDone:
+    case AutotunePhase::kConfirm:
+    case AutotunePhase::kDone:
       break;
   }
   if (!queue_.empty()) {
     current_ = PopFront(&queue_);
     return;
   }
-  if (phase_ == Phase::kCycle) {  // no cycle candidates: straight to confirmation
+  if (phase_ == AutotunePhase::kCycle) {  // no cycle candidates: straight to confirmation
     Advance();
     return;
   }
-  phase_ = Phase::kDone;
+  phase_ = AutotunePhase::kDone;
   current_ = MeanScore(best_) > MeanScore(start_) ? best_ : start_;
 }
 

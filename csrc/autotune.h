@@ -37,11 +37,14 @@ struct TunedParams {
   }
 };
 
+enum class AutotunePhase { kWarmup, kThreshold, kCycle, kConfirm, kDone };
+const char* AutotunePhaseName(AutotunePhase phase);  // "warmup", "threshold", ...
+
 struct AutotuneSample {
   TunedParams params;
   int64_t bytes = 0;
   double seconds = 0.0;
-  const char* phase = "";  // "warmup", "threshold", "cycle" or "confirm"
+  AutotunePhase phase = AutotunePhase::kWarmup;  // the phase it was measured in
   double BytesPerSecond() const { return seconds > 0 ? bytes / seconds : 0.0; }
 };
 
@@ -54,20 +57,18 @@ class Autotuner {
   bool Record(int64_t bytes, double now_seconds);
 
   const TunedParams& current() const { return current_; }
-  bool done() const { return phase_ == Phase::kDone; }
+  bool done() const { return phase_ == AutotunePhase::kDone; }
   const std::vector<AutotuneSample>& samples() const { return samples_; }
   // One line: the choice and its score next to the starting parameters'.
   std::string Summary() const;
 
  private:
-  enum class Phase { kWarmup, kThreshold, kCycle, kConfirm, kDone };
   void Advance();
   double MeanScore(const TunedParams& params) const;
-  const char* PhaseName() const;
 
   const TunedParams start_;
   const double sample_seconds_;
-  Phase phase_ = Phase::kWarmup;
+  AutotunePhase phase_ = AutotunePhase::kWarmup;
   TunedParams current_;
   std::vector<TunedParams> queue_;  // candidates still to sample in this phase
   TunedParams best_;

@@ -51,28 +51,39 @@ std::unique_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
                                   std::move(cpu_backends), std::move(cuda_backend));
 }
 
+// One tensor's arguments, as both enqueue bindings receive them.
+EnqueueArgs Args(int kind, const at::Tensor& input, const std::optional<at::Tensor>& output,
+                 const std::string& name, int op, int root, double prescale, double postscale) {
+  if (kind < 0 || kind >= kNumCollectiveKinds || op < 0 || op > kMaxReduceOp) {
+    Check(Status(StatusCode::kInternal, "malformed enqueue call"));
+  }
+  EnqueueArgs a;
+  a.name = name;
+  a.kind = static_cast<CollectiveKind>(kind);
+  a.input = input;
+  if (output) a.output = *output;
+  a.op = static_cast<ReduceOp>(op);
+  a.root = root;
+  a.prescale = prescale;
+  a.postscale = postscale;
+  return a;
+}
+
 std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Tensor>& inputs,
                              const std::vector<std::optional<at::Tensor>>& outputs,
                              const std::vector<std::string>& names, int op, int root,
                              double prescale, double postscale, const std::string& group,
                              const std::vector<std::vector<int64_t>>& splits) {
-  if (kind < 0 || kind >= kNumCollectiveKinds || op < 0 || op > kMaxReduceOp ||
-      outputs.size() != inputs.size() || names.size() != inputs.size() ||
+  if (outputs.size() != inputs.size() || names.size() != inputs.size() ||
       (!splits.empty() && splits.size() != inputs.size())) {
     Check(Status(StatusCode::kInternal, "malformed enqueue call"));
   }
-  std::vector<EnqueueArgs> args(inputs.size());
+  std::vector<EnqueueArgs> args;
+  args.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
-    args[i].name = names[i];
-    args[i].kind = static_cast<CollectiveKind>(kind);
-    args[i].input = inputs[i];
-    if (outputs[i]) args[i].output = *outputs[i];
-    args[i].op = static_cast<ReduceOp>(op);
-    args[i].root = root;
-    args[i].prescale = prescale;
-    args[i].postscale = postscale;
-    args[i].group = group;
-    if (!splits.empty()) args[i].splits = splits[i];
+    args.push_back(Args(kind, inputs[i], outputs[i], names[i], op, root, prescale, postscale));
+    args.back().group = group;
+    if (!splits.empty()) args.back().splits = splits[i];
   }
   std::vector<int64_t> handles;
   Check(engine.Enqueue(std::move(args), &handles));
@@ -84,18 +95,8 @@ std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Ten
 int64_t EnqueueOne(Engine& engine, int kind, const at::Tensor& input,
                    const std::optional<at::Tensor>& output, const std::string& name, int op,
                    int root, double prescale, double postscale) {
-  if (kind < 0 || kind >= kNumCollectiveKinds || op < 0 || op > kMaxReduceOp) {
-    Check(Status(StatusCode::kInternal, "malformed enqueue call"));
-  }
-  std::vector<EnqueueArgs> args(1);
-  args[0].name = name;
-  args[0].kind = static_cast<CollectiveKind>(kind);
-  args[0].input = input;
-  if (output) args[0].output = *output;
-  args[0].op = static_cast<ReduceOp>(op);
-  args[0].root = root;
-  args[0].prescale = prescale;
-  args[0].postscale = postscale;
+  std::vector<EnqueueArgs> args;
+  args.push_back(Args(kind, input, output, name, op, root, prescale, postscale));
   std::vector<int64_t> handles;
   Check(engine.Enqueue(std::move(args), &handles));
   return handles.front();
@@ -352,7 +353,8 @@ PYBIND11_MODULE(_core, m) {
       .def("samples", [](const Autotuner& t) {
         py::list out;
         for (const AutotuneSample& s : t.samples()) {
-          out.append(py::make_tuple(s.phase, s.params.fusion_threshold_bytes, s.params.cycle_time_ms,
+          out.append(py::make_tuple(AutotunePhaseName(s.phase), s.params.fusion_threshold_bytes,
+                                    s.params.cycle_time_ms,
                                     s.bytes, s.seconds));
         }
         return out;

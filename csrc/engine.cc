@@ -159,7 +159,8 @@ void Engine::Loop() {
     } else if (has_new || (waiting && !stuck)) {
       // Note [A waiting caller ends the gathering]
       auto next = last_round + Millis(params_.cycle_time_ms);
-      const bool waited = Clock::now() < next && queue_.PauseUnlessWaited(next);
+      const bool waited =
+          Clock::now() < next && queue_.Pause(next) == TensorQueue::PauseEnd::kWaiter;
       if (has_new && !waited) {
         CoalesceBurst();
         GatherBySize();
@@ -202,7 +203,7 @@ void Engine::CoalesceBurst() {
   auto [oldest, newest] = queue_.NewSpan();
   while (!shutdown_requested_) {
     const auto deadline = std::min(Clock::now() + kBurstGap, oldest + kMaxBurstWait);
-    if (Clock::now() >= deadline || queue_.PauseUnlessWaited(deadline)) return;
+    if (Clock::now() >= deadline || queue_.Pause(deadline) == TensorQueue::PauseEnd::kWaiter) return;
     const auto latest = queue_.NewSpan().second;
     if (latest == newest) return;  // nothing arrived during the pause: the burst is over
     newest = latest;
@@ -211,10 +212,12 @@ void Engine::CoalesceBurst() {
 
 void Engine::GatherBySize() {
   // Note [Gathering by size]
-  if (config_.gather_bytes <= 0 || shutdown_requested_ || queue_.NewBytes() >= config_.gather_bytes) return;
+  if (config_.gather_bytes <= 0 || shutdown_requested_) return;
   const auto deadline = queue_.NewSpan().first + Millis(config_.gather_max_ms);
-  // Reached by a push: that push may start a burst, which goes into the same round.
-  if (queue_.PauseUntilBytes(config_.gather_bytes, deadline)) CoalesceBurst();
+  // Reached by a push while paused: that push may start a burst, which joins the same round.
+  if (queue_.Pause(deadline, config_.gather_bytes) == TensorQueue::PauseEnd::kBytesArrived) {
+    CoalesceBurst();
+  }
 }
 
 Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {
@@ -301,11 +304,11 @@ void Engine::RecordForAutotune(int64_t bytes) {
     if (tuner_->samples().size() == 1) {
       log << "phase,fusion_threshold_bytes,cycle_time_ms,bytes,seconds,bytes_per_second\n";
     }
-    log << s.phase << ',' << s.params.fusion_threshold_bytes << ',' << s.params.cycle_time_ms << ','
+    log << AutotunePhaseName(s.phase) << ',' << s.params.fusion_threshold_bytes << ',' << s.params.cycle_time_ms << ','
         << s.bytes << ',' << s.seconds << ',' << s.BytesPerSecond() << '\n';
     if (tuner_->done()) log << "# " << tuner_->Summary() << '\n';
   }
-  logger_.Log(LogLevel::kDebug, std::string("autotune sample (") + s.phase + "): threshold " +
+  logger_.Log(LogLevel::kDebug, std::string("autotune sample (") + AutotunePhaseName(s.phase) + "): threshold " +
                                     std::to_string(s.params.fusion_threshold_bytes) + " bytes, cycle " +
                                     std::to_string(s.params.cycle_time_ms) + " ms: " +
                                     std::to_string(s.BytesPerSecond() / 1e6) + " MB/s");

@@ -93,23 +93,18 @@ void TensorQueue::RemoveWaiter() {
   --waiters_;
 }
 
-bool TensorQueue::PauseUntilBytes(int64_t bytes, std::chrono::steady_clock::time_point deadline) {
+TensorQueue::PauseEnd TensorQueue::Pause(std::chrono::steady_clock::time_point deadline,
+                                         int64_t bytes) {
   std::unique_lock<std::mutex> lock(mu_);
-  hold_bytes_ = bytes;
-  pause_cv_.wait_until(lock, deadline, [&] { return woken_ || waiters_ > 0 || new_bytes_ >= bytes; });
+  const bool by_size = bytes > 0;
+  if (waiters_ > 0) return PauseEnd::kWaiter;
+  if (by_size && new_bytes_ >= bytes) return PauseEnd::kBytesReady;
+  hold_bytes_ = by_size ? bytes : 0;
+  pause_cv_.wait_until(lock, deadline,
+                       [&] { return woken_ || waiters_ > 0 || (by_size && new_bytes_ >= bytes); });
   hold_bytes_ = 0;
-  return waiters_ == 0 && new_bytes_ >= bytes;
-}
-
-int64_t TensorQueue::NewBytes() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return new_bytes_;
-}
-
-bool TensorQueue::PauseUnlessWaited(std::chrono::steady_clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  pause_cv_.wait_until(lock, deadline, [&] { return woken_ || waiters_ > 0; });
-  return waiters_ > 0;
+  if (waiters_ > 0) return PauseEnd::kWaiter;
+  return by_size && new_bytes_ >= bytes ? PauseEnd::kBytesArrived : PauseEnd::kTime;
 }
 
 std::vector<Entry> TensorQueue::Close(const Status& status) {

@@ -64,12 +64,12 @@ class TensorQueue {
   // these pauses (a burst of 200 pushes would cost 200 wake-ups of the background thread).
   void AddWaiter();
   void RemoveWaiter();
-  // Sleeps until `deadline`, Wake(), or while a caller waits; true if a caller waits.
-  bool PauseUnlessWaited(std::chrono::steady_clock::time_point deadline);
-  // Note [Gathering by size]: like PauseUnlessWaited, and also ends once the requests not yet
-  // taken add up to `bytes` (the push that crosses it wakes the pause). True if it ended that way.
-  bool PauseUntilBytes(int64_t bytes, std::chrono::steady_clock::time_point deadline);
-  int64_t NewBytes();
+  // The background thread's one way to hold back: sleeps until `deadline` or Wake(), and ends
+  // at once while a caller waits. With `bytes` > 0 (Note [Gathering by size]) it also ends
+  // when the requests not yet taken add up to `bytes` (the push that crosses it wakes it); if
+  // they already do, it returns kBytesReady without sleeping.
+  enum class PauseEnd { kTime, kWaiter, kBytesArrived, kBytesReady };
+  PauseEnd Pause(std::chrono::steady_clock::time_point deadline, int64_t bytes = 0);
 
   // Refuses every later push with `status` and returns every entry still in flight.
   std::vector<Entry> Close(const Status& status);
@@ -81,7 +81,7 @@ class TensorQueue {
   bool woken_ = false;
   int waiters_ = 0;
   int64_t new_bytes_ = 0;   // of the requests not yet taken
-  int64_t hold_bytes_ = 0;  // > 0 while PauseUntilBytes waits for that many
+  int64_t hold_bytes_ = 0;  // > 0 while Pause waits for that many
   Status closed_;
   std::unordered_map<std::string, Entry> in_flight_;
   std::vector<Request> new_requests_;
