@@ -4,6 +4,7 @@ The extension hvdlite._core is compiled against the torch that is already instal
 without isolation:  pip install --no-build-isolation .   (or -e . for development)
 """
 import glob
+import hashlib
 import os
 
 from setuptools import setup
@@ -17,6 +18,29 @@ except ImportError as exc:  # pragma: no cover - only hit on a misconfigured bui
         "(pip install torch==2.13.0), then pip install --no-build-isolation ."
     ) from exc
 
+
+
+def _write_build_id():
+    """csrc/build_id.h: a digest of the native sources, so ranks can tell builds apart.
+
+    hvd.init() refuses a job whose ranks run different builds (Note [Protocol version] in
+    csrc/message.h). The header is rewritten only when the digest changes, so an incremental
+    build recompiles just the file that includes it.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob("csrc/*.cc") + glob.glob("csrc/*.h")):
+        if os.path.basename(path) == "build_id.h":
+            continue
+        with open(path, "rb") as f:
+            digest.update(path.encode() + b"\0" + f.read())
+    text = f'#pragma once\n#define HVDLITE_BUILD_ID "{digest.hexdigest()[:12]}"\n'
+    path = os.path.join("csrc", "build_id.h")
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+_write_build_id()
 debug = os.environ.get("HVDLITE_DEBUG_BUILD") == "1"
 ext = CppExtension(
     name="hvdlite._core",

@@ -27,15 +27,9 @@
 #include <string>
 #include <vector>
 
-namespace hvdlite {
+#include "types.h"
 
-struct TunedParams {
-  int64_t fusion_threshold_bytes = 0;
-  double cycle_time_ms = 0.0;
-  bool operator==(const TunedParams& o) const {
-    return fusion_threshold_bytes == o.fusion_threshold_bytes && cycle_time_ms == o.cycle_time_ms;
-  }
-};
+namespace hvdlite {
 
 enum class AutotunePhase { kWarmup, kThreshold, kCycle, kConfirm, kDone };
 const char* AutotunePhaseName(AutotunePhase phase);  // "warmup", "threshold", ...

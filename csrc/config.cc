@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 namespace hvdlite {
 namespace {
@@ -82,6 +83,8 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
       integer("HVDLITE_AUTOTUNE", 0, "0 or 1", &autotune),
       number("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", 0.001, "seconds >= 0.001",
              &config.autotune_sample_seconds),
+      integer("HVDLITE_TEST_FORGET_CACHE_AT_ROUND", 0, "a round number >= 0",
+              &config.test_forget_cache_round),
   };
   for (const Status& status : statuses) {
     if (!status.ok()) return status;
@@ -104,8 +107,33 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
   return Status::Ok();
 }
 
-Status Config::FromEnvironment(Config* out) {
-  return FromLookup([](const char* name) { return std::getenv(name); }, out);
+const std::vector<std::string>& JobWideVariables() {
+  static const std::vector<std::string> kVariables = {
+      "HVDLITE_FUSION_THRESHOLD",         "HVDLITE_CYCLE_TIME",
+      "HVDLITE_IDLE_HEARTBEAT_MS",        "HVDLITE_STALL_CHECK_TIME_SECONDS",
+      "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", "HVDLITE_CACHE_CAPACITY",
+      "HVDLITE_INLINE_BYTES",             "HVDLITE_GATHER_BYTES",
+      "HVDLITE_GATHER_MAX_MS",            "HVDLITE_CPU_CHANNELS",
+      "HVDLITE_AUTOTUNE",                 "HVDLITE_AUTOTUNE_SAMPLE_SECONDS",
+  };
+  return kVariables;
+}
+
+uint64_t JobWideDigest(const Config& c) {
+  // FNV-1a over the fields' bytes; doubles are compared bit for bit, as they were parsed from
+  // the same strings on every rank.
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&](const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  };
+  const int64_t ints[] = {c.fusion_threshold_bytes, c.cache_capacity, c.inline_bytes,
+                          c.gather_bytes, c.cpu_channels, c.autotune ? 1 : 0};
+  const double doubles[] = {c.cycle_time_ms, c.idle_heartbeat_ms, c.stall_check_seconds,
+                            c.stall_shutdown_seconds, c.gather_max_ms, c.autotune_sample_seconds};
+  mix(ints, sizeof(ints));
+  mix(doubles, sizeof(doubles));
+  return h;
 }
 
 }  // namespace hvdlite

@@ -1,17 +1,29 @@
-// Config: every tunable of the core, filled once from HVDLITE_* environment variables when an
-// engine is created. This is the only place that reads the environment; parsing is strict and
-// an invalid value is an error naming the variable and the value. Immutable after creation.
+// Config: every tunable of the core, filled once from HVDLITE_* variables when an engine is
+// created. Parsing is strict and an invalid value is an error naming the variable and the
+// value. Immutable after creation.
+//
+// Note [Job-wide settings]
+// The replicated controller is correct only while every rank feeds it the same inputs (Note
+// [Replicated negotiation] in controller.h), and most settings are such inputs: the fusion
+// threshold decides the batches, the cache capacity the ids on the wire, the inline limit and
+// the stall times what a round decides. So those settings are the job's, not a rank's:
+// hvd.init() takes rank 0's values of the variables in JobWideVariables() (published once
+// through the rendezvous store) and hands every engine the same mapping; a rank whose own
+// environment differs logs a warning naming the variable. The log level, the timeline path
+// and the autotune log stay per rank. As a defence in depth every control message carries
+// JobWideDigest() of the settings in force, and a rank whose digest differs stops the job
+// with an error naming it before anything is decided (engine.cc).
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "status.h"
+#include "types.h"
 
 namespace hvdlite {
-
-enum class LogLevel : uint8_t { kTrace = 0, kDebug = 1, kInfo = 2, kWarning = 3, kError = 4 };
 
 struct Config {
   // HVDLITE_FUSION_THRESHOLD: bytes per fused buffer; 0 disables fusion.
@@ -54,10 +66,18 @@ struct Config {
   std::string timeline_path;
   // HVDLITE_LOG_LEVEL: trace, debug, info, warning (default) or error.
   LogLevel log_level = LogLevel::kWarning;
+  // HVDLITE_TEST_FORGET_CACHE_AT_ROUND: a test hook (per rank): after this many negotiation
+  // rounds this rank's controller forgets its response cache, so its state diverges from the
+  // other ranks' the way a bug would make it (Note [Agreement digest] in engine.h). -1: never.
+  int64_t test_forget_cache_round = -1;
 
   // Reads the variables through `lookup` (getenv in production, a map in unit tests).
   static Status FromLookup(const std::function<const char*(const char*)>& lookup, Config* out);
-  static Status FromEnvironment(Config* out);
 };
+
+// The variables of Note [Job-wide settings], in a fixed order.
+const std::vector<std::string>& JobWideVariables();
+// A digest of the job-wide fields of `config` (Note [Job-wide settings]).
+uint64_t JobWideDigest(const Config& config);
 
 }  // namespace hvdlite

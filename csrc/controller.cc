@@ -27,10 +27,12 @@ std::string Number(double value) {
   return out.str();
 }
 
-// If the ranks' values of one field differ, describes who has what:
-// "rank 0 has [17, 3]; ranks 1, 2 have [18, 3]".
+// If the ranks' values of one field differ, describes who has what
+// ("rank 0 has [17, 3]; ranks 1, 2 have [18, 3]") and adds the ranks whose value differs from
+// the lowest rank's to `differing`.
 std::string DescribeDisagreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank,
-                                 const std::function<std::string(const Request&)>& value_of) {
+                                 const std::function<std::string(const Request&)>& value_of,
+                                 std::vector<int>* differing) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;
   for (size_t i = 0; i < by_rank.size(); ++i) {
     std::string value = value_of(by_rank[i]);
@@ -47,8 +49,23 @@ std::string DescribeDisagreement(const std::vector<int>& ranks, const std::vecto
   for (size_t i = 0; i < groups.size(); ++i) {
     out << (i ? "; " : "") << RanksString(groups[i].second)
         << (groups[i].second.size() == 1 ? " has " : " have ") << groups[i].first;
+    if (i > 0) differing->insert(differing->end(), groups[i].second.begin(), groups[i].second.end());
   }
+  std::sort(differing->begin(), differing->end());
   return out.str();
+}
+
+// Note [Agreement digest]: FNV-1a for strings, a multiply-xorshift step to chain values.
+uint64_t HashString(const std::string& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
+uint64_t Chain(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  h ^= h >> 31;
+  return h * 0xbf58476d1ce4e5b9ULL;
 }
 
 bool IsReduction(CollectiveKind kind) {
@@ -85,11 +102,10 @@ bool ObviouslyAgree(const std::vector<Request>& by_rank) {
   return true;
 }
 
-std::string CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank) {
-  if (ObviouslyAgree(by_rank)) return "";
+Status CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank) {
+  if (ObviouslyAgree(by_rank)) return Status::Ok();
   const Request& first = by_rank.front();
   const bool data = CarriesData(first.kind);
-  const std::string prefix = std::string(KindName(first.kind)) + " of '" + first.name + "': ";
   struct Field {
     const char* what;
     bool applies;
@@ -124,10 +140,14 @@ std::string CheckAgreement(const std::vector<int>& ranks, const std::vector<Requ
   };
   for (const Field& field : fields) {
     if (!field.applies) continue;
-    std::string difference = DescribeDisagreement(ranks, by_rank, field.value_of);
-    if (!difference.empty()) return prefix + field.what + " mismatch: " + difference;
+    std::vector<int> differing;
+    std::string difference = DescribeDisagreement(ranks, by_rank, field.value_of, &differing);
+    if (!difference.empty()) {
+      return Status::Of(StatusCode::kMismatch, KindName(first.kind), first.name,
+                        std::string(field.what) + " mismatch: " + difference, differing);
+    }
   }
-  return "";
+  return Status::Ok();
 }
 
 Controller::Controller(int size, double stall_check_seconds, double stall_shutdown_seconds,
@@ -147,18 +167,39 @@ RoundResult Controller::ProcessRound(std::vector<RankMessage> messages) {
     RankMessage& message = messages[rank];
     if (message.flags & kFlagShutdown) result.shutdown = true;
     if (!(message.flags & kFlagHasOutstanding)) result.all_outstanding = false;
-    for (Request& request : message.requests) {
-      any_request = true;
-      Record(rank, std::move(request), now_ms, &result.ready);
+    auto& requests = message.requests;
+    any_request = any_request || !requests.empty();
+    for (size_t i = 0; i < requests.size();) {
+      if (requests[i].group.empty()) {
+        Record(rank, std::move(requests[i++]), now_ms, &result.ready);
+        continue;
+      }
+      // Note [Grouped operations]: a group's members are consecutive in its rank's message.
+      std::vector<Request> members;
+      const std::string group = requests[i].group;
+      while (i < requests.size() && requests[i].group == group) members.push_back(std::move(requests[i++]));
+      RecordGroup(rank, std::move(members), now_ms, &result.ready);
     }
   }
   InspectStalls(now_ms, &result);
   result.quiet = !any_request && result.ready.empty();
+  for (const ReadyItem& item : result.ready) {  // Note [Agreement digest]
+    decisions_ = Chain(decisions_, HashString(item.request.name));
+    decisions_ = Chain(decisions_, static_cast<uint64_t>(item.status.code()) |
+                                       (static_cast<uint64_t>(item.contributors) << 8) |
+                                       (static_cast<uint64_t>(item.inlined) << 40));
+  }
   return result;
 }
 
-void Controller::Record(int rank, Request&& request, int64_t now_ms,
-                        std::vector<ReadyItem>* ready) {
+uint64_t Controller::Digest() const {
+  uint64_t h = Chain(decisions_, cache_.Fingerprint());
+  h = Chain(h, pending_.size());
+  return Chain(h, groups_.size());
+}
+
+Controller::Pending& Controller::Add(int rank, Request&& request, int64_t now_ms,
+                                     std::vector<ReadyItem>* ready) {
   auto inserted = pending_.try_emplace(request.name);
   Pending& pending = inserted.first->second;
   if (inserted.second) {
@@ -171,29 +212,123 @@ void Controller::Record(int rank, Request&& request, int64_t now_ms,
   if (pending.submitted[rank]) {
     // The tensor queue refuses a name that is already in flight, so this is a bug.
     ReadyItem item;
-    item.request = request;
-    item.status = Status(StatusCode::kInternal, std::string(KindName(request.kind)) + " of '" +
-                                                    request.name + "': rank " +
-                                                    std::to_string(rank) +
-                                                    " submitted it twice in one negotiation");
+    item.status = Status::Of(StatusCode::kInternal, KindName(request.kind), request.name,
+                             "rank " + std::to_string(rank) + " submitted it twice in one negotiation",
+                             {rank});
+    item.request = std::move(request);
     ready->push_back(std::move(item));
-    return;
+    return pending;
   }
-  const bool join = request.kind == CollectiveKind::kJoin;
   pending.by_rank[rank] = std::move(request);
   pending.submitted[rank] = true;
   ++pending.count;
+  return pending;
+}
+
+void Controller::Record(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready) {
+  const bool join = request.kind == CollectiveKind::kJoin;
+  Pending& pending = Add(rank, std::move(request), now_ms, ready);
   if (join) {
     joined_[rank] = true;
     last_joined_ = rank;
-    // Names this rank had not submitted may now be complete (Note [Join]).
+    // Names this rank had not submitted may now be complete (Note [Join]); so may the
+    // manifests of groups it had not submitted.
+    std::vector<std::string> groups;
+    for (const auto& [group, state] : groups_) groups.push_back(group);
+    for (const std::string& group : groups) CheckManifests(group, ready);
     ReleaseCompleted(ready);
     return;
   }
   if (!Complete(pending)) return;
   ReadyItem item = MakeReady(pending);
   Erase(item.request.name);
-  Release(std::move(item), ready);
+  Decide(std::move(item), ready);
+}
+
+void Controller::RecordGroup(int rank, std::vector<Request>&& members, int64_t now_ms,
+                             std::vector<ReadyItem>* ready) {
+  const std::string group = members.front().group;
+  Group& state = groups_[group];
+  state.manifests.resize(size_);
+  std::vector<std::string> names;
+  for (Request& member : members) {
+    names.push_back(member.name);
+    Add(rank, std::move(member), now_ms, ready);
+  }
+  state.manifests[rank] = names;
+  if (!CheckManifests(group, ready)) return;
+  for (const std::string& name : names) {
+    auto it = pending_.find(name);
+    if (it == pending_.end() || !Complete(it->second)) continue;
+    ReadyItem item = MakeReady(it->second);
+    Erase(name);
+    Decide(std::move(item), ready);
+    if (!groups_.count(group)) return;  // that member failed the group
+  }
+}
+
+bool Controller::CheckManifests(const std::string& group, std::vector<ReadyItem>* ready) {
+  Group& state = groups_.at(group);
+  if (state.size > 0) return true;  // already compared and agreed
+  std::vector<int> ranks;
+  std::vector<Request> manifests;  // the manifest as a request's name, to reuse the reporting
+  for (int r = 0; r < size_; ++r) {
+    if (!state.manifests[r].empty()) {
+      ranks.push_back(r);
+      Request listed;
+      for (const std::string& name : state.manifests[r]) listed.name += (listed.name.empty() ? "'" : ", '") + name + "'";
+      listed.group_size = static_cast<int32_t>(state.manifests[r].size());
+      manifests.push_back(std::move(listed));
+    } else if (!joined_[r]) {
+      return true;  // not every rank has submitted the group yet
+    }
+  }
+  if (ranks.empty()) return true;
+  std::vector<int> differing;
+  std::string difference = DescribeDisagreement(ranks, manifests, [](const Request& m) {
+    return std::to_string(m.group_size) + (m.group_size == 1 ? " tensor (" : " tensors (") + m.name + ")";
+  }, &differing);
+  if (difference.empty()) {
+    state.size = state.manifests[ranks.front()].size();
+    return true;
+  }
+  FailGroup(group, Status::Of(StatusCode::kMismatch, "", "", "members differ: " + difference, differing), ready);
+  return false;
+}
+
+void Controller::FailGroup(const std::string& group, const Status& status, std::vector<ReadyItem>* ready) {
+  auto found = groups_.find(group);
+  if (found == groups_.end()) return;
+  Group state = std::move(found->second);
+  groups_.erase(found);
+  // Every name any rank listed, in rank order, each once; held members first keep their items.
+  std::vector<ReadyItem> failed = std::move(state.held);
+  std::vector<std::string> names;
+  for (const ReadyItem& item : failed) names.push_back(item.request.name);
+  for (const auto& manifest : state.manifests) {
+    for (const std::string& name : manifest) {
+      if (std::find(names.begin(), names.end(), name) != names.end()) continue;
+      names.push_back(name);
+      auto it = pending_.find(name);
+      if (it == pending_.end()) continue;
+      ReadyItem item;
+      const Pending& pending = it->second;
+      const int first = static_cast<int>(std::find(pending.submitted.begin(), pending.submitted.end(), true) -
+                                         pending.submitted.begin());
+      item.request = pending.by_rank[first];
+      item.request.payload.clear();
+      Erase(name);
+      failed.push_back(std::move(item));
+    }
+  }
+  const std::string kind = failed.empty() ? "collective" : KindName(failed.front().request.kind);
+  // The group's own failure (manifests) has no member as its subject; a member's keeps it.
+  Status group_status = status.op().empty() ? Status::Of(status.code(), "grouped " + kind, group, status.reason(), status.ranks())
+                                            : status.Prefixed("grouped " + kind + " '" + group + "'");
+  for (ReadyItem& item : failed) {
+    item.status = group_status;
+    ready->push_back(std::move(item));
+  }
 }
 
 bool Controller::Complete(const Pending& pending) const {
@@ -213,9 +348,11 @@ void Controller::ReleaseCompleted(std::vector<ReadyItem>* ready) {
     if (Complete(pending_.at(*name))) complete.push_back(*name);
   }
   for (const std::string& name : complete) {
-    ReadyItem item = MakeReady(pending_.at(name));
+    auto it = pending_.find(name);
+    if (it == pending_.end()) continue;  // failed with its group meanwhile
+    ReadyItem item = MakeReady(it->second);
     Erase(name);
-    Release(std::move(item), ready);
+    Decide(std::move(item), ready);
   }
 }
 
@@ -248,10 +385,13 @@ ReadyItem Controller::MakeReady(Pending& pending) {
     item.request.payload.clear();
     return std::move(item);
   };
-  auto subject = [&] { return std::string(KindName(request.kind)) + " of '" + request.name + "': "; };
-  std::string mismatch = CheckAgreement(ranks, requests);
-  if (!mismatch.empty()) {
-    item.status = Status(StatusCode::kMismatch, mismatch);
+  auto mismatch = [&](std::string reason, std::vector<int> ranks) {
+    return Status::Of(StatusCode::kMismatch, KindName(request.kind), request.name, std::move(reason),
+                      std::move(ranks));
+  };
+  Status agreement = CheckAgreement(ranks, requests);
+  if (!agreement.ok()) {
+    item.status = agreement;
     return finished();
   }
   if (request.kind != CollectiveKind::kJoin && request.kind != CollectiveKind::kBarrier) {
@@ -272,8 +412,8 @@ ReadyItem Controller::MakeReady(Pending& pending) {
     last_joined_ = -1;
   } else if (request.kind == CollectiveKind::kBroadcast &&
              std::find(item.joined.begin(), item.joined.end(), request.root) != item.joined.end()) {
-    item.status = Status(StatusCode::kMismatch, subject() + "root rank " + std::to_string(request.root) +
-                                                    " has already joined and has no tensor to send");
+    item.status = mismatch("root rank " + std::to_string(request.root) +
+                               " has already joined and has no tensor to send", {request.root});
   } else if (request.kind == CollectiveKind::kAllgather) {
     item.rank_dim0.assign(size_, 0);  // joined ranks send no rows
     for (size_t i = 0; i < ranks.size(); ++i) {
@@ -288,9 +428,8 @@ ReadyItem Controller::MakeReady(Pending& pending) {
       int64_t rows = 0;
       for (int64_t n : mine.splits) rows += n;
       if (static_cast<int>(mine.splits.size()) != size_ || mine.shape.empty() || rows != mine.shape[0]) {
-        item.status = Status(StatusCode::kMismatch,
-                             subject() + "rank " + std::to_string(r) + " sent splits that do not cover " +
-                                 ShapeString(mine.shape) + " across " + std::to_string(size_) + " ranks");
+        item.status = mismatch("rank " + std::to_string(r) + " sent splits that do not cover " +
+                                   ShapeString(mine.shape) + " across " + std::to_string(size_) + " ranks", {r});
         return finished();
       }
       item.rank_splits[r] = mine.splits;
@@ -299,38 +438,40 @@ ReadyItem Controller::MakeReady(Pending& pending) {
   return finished();
 }
 
-void Controller::Release(ReadyItem item, std::vector<ReadyItem>* ready) {
+void Controller::Decide(ReadyItem&& item, std::vector<ReadyItem>* ready) {
   if (item.request.group.empty()) {
     ready->push_back(std::move(item));
     return;
   }
+  // Note [Grouped operations]
   const std::string group = item.request.group;
-  const int32_t group_size = item.request.group_size;
-  auto& members = held_groups_[group];
-  members.push_back(std::move(item));
-  if (static_cast<int32_t>(members.size()) < group_size) return;
-  // A grouped operation succeeds or fails as a whole.
-  const ReadyItem* failed = nullptr;
-  for (const ReadyItem& member : members) {
-    if (!member.status.ok()) {
-      failed = &member;
-      break;
-    }
+  auto found = groups_.find(group);
+  if (found == groups_.end()) {  // cannot happen: members are recorded with their group
+    item.status = Status::Of(StatusCode::kInternal, KindName(item.request.kind), item.request.name,
+                             "member of unknown group '" + group + "'");
+    ready->push_back(std::move(item));
+    return;
   }
-  if (failed) {
-    Status status(failed->status.code(), "grouped operation '" + group +
-                                             "' failed: " + failed->status.message());
-    for (ReadyItem& member : members) member.status = status;
+  if (!item.status.ok()) {
+    Status status = item.status;
+    found->second.held.push_back(std::move(item));
+    FailGroup(group, status, ready);
+    return;
   }
-  for (ReadyItem& member : members) ready->push_back(std::move(member));
-  held_groups_.erase(group);
+  Group& state = found->second;
+  state.held.push_back(std::move(item));
+  if (state.size == 0 || state.held.size() < state.size) return;
+  for (ReadyItem& member : state.held) ready->push_back(std::move(member));
+  groups_.erase(found);
 }
 
 void Controller::InspectStalls(int64_t now_ms, RoundResult* result) {
   if (stall_check_ms_ <= 0 && stall_shutdown_ms_ <= 0) return;
   std::ostringstream table;
-  std::vector<std::string> to_fail;
-  for (auto& [name, pending] : pending_) {
+  std::vector<ReadyItem> stalled;
+  for (const auto& [sequence, key] : arrival_) {  // arrival order: the same on every rank
+    const std::string& name = *key;
+    Pending& pending = pending_.at(name);
     const int64_t waited = now_ms - pending.first_seen_ms;
     const bool fail = stall_shutdown_ms_ > 0 && waited >= stall_shutdown_ms_;
     const bool warn = stall_check_ms_ > 0 && waited >= stall_check_ms_ &&
@@ -345,23 +486,33 @@ void Controller::InspectStalls(int64_t now_ms, RoundResult* result) {
       }
     }
     const Request& any = pending.by_rank[present.front()];
-    std::string line = std::string(KindName(any.kind)) + " '" + name + "' (waiting " +
-                       std::to_string(waited / 1000) + " s): missing " + RanksString(missing) +
-                       ", submitted by " + RanksString(present);
-    table << "\n  " << line;
+    const std::string waiting = "missing " + RanksString(missing) + ", submitted by " + RanksString(present);
+    table << "\n  " << KindName(any.kind) << " '" << name << "' (waiting " << waited / 1000 << " s): " << waiting;
     pending.warned_at_ms = now_ms;
     if (fail) {
       ReadyItem item;
       item.request = any;
-      item.status = Status(StatusCode::kStall,
-                           "stalled: " + line + "; failed after " +
-                               std::to_string(stall_shutdown_ms_ / 1000) +
-                               " s (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS)");
-      result->ready.push_back(std::move(item));
-      to_fail.push_back(name);
+      item.request.payload.clear();
+      item.status = Status::Of(StatusCode::kStall, KindName(any.kind), name,
+                               "stalled for " + std::to_string(waited / 1000) + " s: " + waiting +
+                                   "; failed after " + std::to_string(stall_shutdown_ms_ / 1000) +
+                                   " s (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS)",
+                               missing);
+      stalled.push_back(std::move(item));
     }
   }
-  for (const std::string& name : to_fail) Erase(name);
+  // A stalled member fails its whole group (Note [Grouped operations]).
+  for (ReadyItem& item : stalled) {
+    if (!pending_.count(item.request.name)) continue;  // failed with its group already
+    if (!item.request.group.empty() && groups_.count(item.request.group)) {
+      const std::string group = item.request.group;
+      const Status status = item.status;
+      FailGroup(group, status, &result->ready);
+      continue;
+    }
+    Erase(item.request.name);
+    result->ready.push_back(std::move(item));
+  }
   if (table.tellp() > 0) {
     result->stall_warning =
         "stall: some ranks have not submitted tensors that others are waiting on "

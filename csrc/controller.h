@@ -7,7 +7,10 @@
 // feeds them (indexed by rank) to its own Controller. The Controller is a deterministic state
 // machine and every rank feeds it the same input, so every rank reaches the same decisions in
 // the same order without a coordinator having to broadcast them: one collective per round
-// instead of a gather plus a broadcast.
+// instead of a gather plus a broadcast. That holds only while every input is identical: the
+// settings are the job's by construction (Note [Job-wide settings] in config.h), and every
+// round checks the settings and the controller state of every rank before deciding anything
+// (Note [Agreement digest] below).
 // Rank 0 still plays the coordinator where a decision depends on something outside the
 // messages: time. Stall deadlines are measured on rank 0's clock, carried in its message.
 //
@@ -16,7 +19,8 @@
 //   2. each request is recorded against its name and rank in the pending table;
 //   3. a name is ready when all ranks have requested it; ready names are emitted in the order
 //      in which their last request appears in the rank-ordered messages;
-//   4. members of a group are held back until the whole group is ready, then emitted together;
+//   4. members of a group are held back until the whole group is ready, then emitted together
+//      (Note [Grouped operations]);
 //   5. a ready name whose requests disagree is emitted with a kMismatch status that names the
 //      field, the ranks and their values; a grouped operation fails as a whole;
 //   6. names pending past the stall deadlines produce a warning table, then kStall failures.
@@ -30,6 +34,22 @@
 // no rows for allgather and alltoall) and discards the result; averages divide by the number of
 // ranks that contributed. When the last rank joins, every rank's join completes, returning the
 // rank that joined last, and the joined set is cleared.
+// Note [Grouped operations]
+// A rank submits all members of a group in one message (the tensor queue takes a group
+// whole), so once a rank's message has been recorded its list of members ("manifest") is
+// complete. When every rank that has not joined has sent its manifest, the manifests are
+// compared: members that differ in count or names fail the whole group on every rank at once
+// with a kMismatch naming the ranks and their members, instead of waiting for members that
+// will never come. Otherwise members are held as they become ready and released together.
+// Any failure of one member (a shape mismatch, a stall) fails every member of the group,
+// held or still pending, on every rank; nothing of a failed group is left waiting.
+//
+// Note [Agreement digest]
+// Digest() summarizes what every rank's controller must have identically before a round: a
+// chain over every decision made so far (name, outcome, contributors), the response cache's
+// contents and the sizes of the pending tables. Each rank sends it in its next message, and a
+// difference stops the job before the round is decided (engine.cc), so a controller that
+// diverged (a bug) is reported as such instead of showing up as mismatched collectives.
 #pragma once
 
 #include <cstdint>
@@ -39,22 +59,11 @@
 #include <vector>
 
 #include "message.h"
+#include "ready_item.h"
 #include "response_cache.h"
 #include "status.h"
 
 namespace hvdlite {
-
-struct ReadyItem {
-  Request request;                 // the agreed request (the lowest submitting rank's)
-  std::vector<int64_t> rank_dim0;  // allgather: every rank's first dimension (0 if joined)
-  std::vector<std::vector<int64_t>> rank_splits;  // alltoall: [sender][receiver] rows
-  std::vector<int> joined;         // ranks that take part with a neutral input (Note [Join])
-  int contributors = 0;            // ranks that submitted it: averages divide by this
-  int last_joined = -1;            // join: the rank that joined last
-  bool inlined = false;            // every rank's data came with its request (payloads)
-  std::vector<std::string> payloads;  // by rank, when inlined (Note [Inline small tensors])
-  Status status;                   // not ok: this tensor fails on every rank with this status
-};
 
 struct RoundResult {
   std::vector<ReadyItem> ready;
@@ -77,6 +86,10 @@ class Controller {
   int32_t CacheLookup(int rank, const Request& request) const { return cache_.Lookup(rank, request); }
   bool CacheResolve(int rank, uint32_t id, Request* out) const { return cache_.Resolve(rank, id, out); }
   size_t cache_entries() const { return cache_.entries(); }
+  // Note [Agreement digest]
+  uint64_t Digest() const;
+  // Test hook (Config::test_forget_cache_round): this controller forgets its response cache.
+  void ForgetCacheForTest() { cache_.Clear(); }
 
  private:
   struct Pending {
@@ -88,7 +101,23 @@ class Controller {
     int64_t warned_at_ms = -1;
   };
 
+  // Note [Grouped operations]: what each rank submitted of one group.
+  struct Group {
+    std::vector<std::vector<std::string>> manifests;  // by rank; empty: not submitted yet
+    std::vector<ReadyItem> held;                      // members ready everywhere
+    size_t size = 0;                                  // members, once the manifests agree
+  };
+
+  // Adds `request` to the pending table; returns its entry.
+  Pending& Add(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready);
   void Record(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready);
+  // All members of one group from one rank's message (they always travel together).
+  void RecordGroup(int rank, std::vector<Request>&& members, int64_t now_ms, std::vector<ReadyItem>* ready);
+  // Compares the manifests once every rank that has not joined has sent one; false if failed.
+  bool CheckManifests(const std::string& group, std::vector<ReadyItem>* ready);
+  // Fails every member of `group`, held or pending, with `status` (Note [Grouped operations]).
+  void FailGroup(const std::string& group, const Status& status, std::vector<ReadyItem>* ready);
+  void Decide(ReadyItem&& item, std::vector<ReadyItem>* ready);
   bool Complete(const Pending& pending) const;
   // Emits (and forgets) the pending names that are now complete, in arrival order.
   void ReleaseCompleted(std::vector<ReadyItem>* ready);
@@ -105,12 +134,14 @@ class Controller {
   uint64_t next_sequence_ = 0;
   std::vector<bool> joined_;
   int last_joined_ = -1;
-  std::map<std::string, std::vector<ReadyItem>> held_groups_;
+  std::map<std::string, Group> groups_;
   ResponseCache cache_;
+  uint64_t decisions_ = 0;  // Note [Agreement digest]: chain over every decision
 };
 
-// Compares the requests that `ranks` made for one name (by_rank[i] is ranks[i]'s). Returns ""
-// when they agree, else the message for the mismatch error. Exposed for unit tests.
-std::string CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
+// Compares the requests that `ranks` made for one name (by_rank[i] is ranks[i]'s). Returns Ok
+// when they agree, else the kMismatch status naming the field, the values and the ranks that
+// differ from the lowest rank.
+Status CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
 
 }  // namespace hvdlite

@@ -44,6 +44,7 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
                   static_cast<size_t>(config.cache_capacity)),
       executor_(rank, size, Pointers(cpu_backends_), cuda_backend_.get(), &queue_, &handles_, &timeline_),
+      settings_digest_(JobWideDigest(config)),
       params_{config.fusion_threshold_bytes, config.cycle_time_ms} {
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
@@ -176,12 +177,18 @@ void Engine::Loop() {
     }
     last_round = Clock::now();
     bool keep_going = false, quiet = false;
+    // Note [Fatal errors]: nothing leaves this thread.
     try {
       keep_going = RunRound(&stuck, &quiet);
+    } catch (const StatusError& e) {
+      Stop(e.status);
+      return;
     } catch (const std::exception& e) {
       Stop(Status(StatusCode::kRankFailure,
-                  std::string("hvdlite lost contact with its peers; the job cannot continue: ") +
-                      e.what()));
+                  std::string("hvdlite lost contact with its peers; the job cannot continue: ") + ExceptionText(e)));
+      return;
+    } catch (...) {
+      Stop(Status(StatusCode::kInternal, "the engine thread failed with an unknown exception"));
       return;
     }
     if (!quiet) last_busy = Clock::now();
@@ -228,8 +235,11 @@ Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {
 }
 
 bool Engine::RunRound(bool* stuck, bool* quiet) {
+  if (++rounds_ == config_.test_forget_cache_round) controller_.ForgetCacheForTest();
   RankMessage mine;
   mine.clock_ms = NowMs();
+  mine.settings_digest = settings_digest_;
+  mine.state_digest = controller_.Digest();
   if (shutdown_requested_) mine.flags |= kFlagShutdown;
   mine.requests = queue_.TakeNewRequests();
   if (!mine.requests.empty() || queue_.HasInFlight()) mine.flags |= kFlagHasOutstanding;
@@ -242,6 +252,11 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   const auto t0 = Clock::now();
   std::vector<std::string> raw = channel_.Exchange(EncodeRankMessage(
       mine, [this](const Request& r) { return controller_.CacheLookup(rank_, r); }));
+  Status agreement = CheckDigests(raw);
+  if (!agreement.ok()) {
+    Stop(agreement);
+    return false;
+  }
   std::vector<RankMessage> messages(size_);
   std::vector<int> shutting_down;
   for (int r = 0; r < size_; ++r) {
@@ -249,9 +264,9 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
         raw[r].data(), raw[r].size(), &messages[r],
         [this, r](uint32_t id, Request* out) { return controller_.CacheResolve(r, id, out); });
     if (!status.ok()) {
-      Stop(Status(StatusCode::kRankFailure,
-                  "rank " + std::to_string(r) + " sent a malformed control message: " +
-                      status.message()));
+      Stop(Status::Of(StatusCode::kRankFailure, "", "",
+                      "rank " + std::to_string(r) + " sent a malformed control message: " + status.message(),
+                      {r}));
       return false;
     }
     if (messages[r].flags & kFlagShutdown) shutting_down.push_back(r);
@@ -286,8 +301,8 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
                                       us(Clock::now() - t2) + " us");
   }
   if (round.shutdown) {
-    Stop(Status(StatusCode::kShutdown, "hvdlite was shut down (requested by " +
-                                           RanksString(shutting_down) + ")"));
+    Stop(Status::Of(StatusCode::kShutdown, "", "",
+                    "hvdlite was shut down (requested by " + RanksString(shutting_down) + ")", shutting_down));
     return false;
   }
   *stuck = round.quiet && round.all_outstanding;
@@ -315,12 +330,47 @@ void Engine::RecordForAutotune(int64_t bytes) {
   if (tuner_->done()) logger_.Announce(tuner_->Summary());
 }
 
+Status Engine::CheckDigests(const std::vector<std::string>& raw) const {
+  // Note [Agreement digest]. Every rank compares the same bytes, so all reach the same verdict.
+  std::vector<uint64_t> settings(size_), state(size_);
+  for (int r = 0; r < size_; ++r) {
+    if (!PeekDigests(raw[r].data(), raw[r].size(), &settings[r], &state[r])) {
+      return Status::Of(StatusCode::kRankFailure, "", "",
+                        "rank " + std::to_string(r) + " sent a control message with a malformed header", {r});
+    }
+  }
+  auto differing = [&](const std::vector<uint64_t>& digests) {
+    std::vector<int> ranks;
+    for (int r = 0; r < size_; ++r) {
+      if (digests[r] != digests[0]) ranks.push_back(r);
+    }
+    return ranks;
+  };
+  std::vector<int> ranks = differing(settings);
+  if (!ranks.empty()) {
+    return Status::Of(StatusCode::kMismatch, "", "",
+                      "the job-wide settings in force on " + RanksString(ranks) +
+                          " differ from rank 0's (every rank must run with rank 0's settings; see the "
+                          "README's configuration table); the job cannot continue",
+                      ranks);
+  }
+  ranks = differing(state);
+  if (!ranks.empty()) {
+    return Status::Of(StatusCode::kMismatch, "", "",
+                      "the negotiation state of " + RanksString(ranks) + " diverged from rank 0's by round " +
+                          std::to_string(rounds_) +
+                          " (the ranks no longer decide alike: a bug in hvdlite); the job cannot continue",
+                      ranks);
+  }
+  return Status::Ok();
+}
+
 void Engine::Stop(const Status& status) {
   if (status.code() != StatusCode::kShutdown) logger_.Log(LogLevel::kError, status.message());
   std::vector<Entry> remaining = queue_.Close(status);
   for (Entry& entry : remaining) {
-    Status failed(status.code(), std::string(KindName(entry.request.kind)) + " of '" +
-                                     entry.request.name + "': " + status.message());
+    // Note [Status subjects]: the failure, now about this entry (unless it already was).
+    Status failed = status.tensor() == entry.request.name ? status : status.For(KindName(entry.request.kind), entry.request.name);
     handles_.Complete(entry.handle, Completion{failed, {}, nullptr, {}});
   }
   executor_.ReleaseBuffers();

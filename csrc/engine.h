@@ -32,9 +32,18 @@
 // per step fell to DDP's.
 //
 // Note [Fatal errors]
-// A collective that throws (a dead peer, a transport error) or a malformed control message
-// makes the engine unusable: the thread completes every pending handle with a kRankFailure
-// status, closes the queue so later calls fail at once with the same message, and exits.
+// Some failures make the engine unusable. The thread then completes every pending handle with
+// the failure's status, closes the queue so later calls fail at once with the same status,
+// and exits; the process lives on and every later call raises. Nothing escapes the thread
+// (an exception leaving it would end the process). Three kinds, told apart by their code:
+//   - the transport failed (a collective threw: a dead peer, a broken connection) or a peer
+//     sent a malformed control message: kRankFailure;
+//   - this rank could not take part (Executor reports an exception thrown before its
+//     collective started, e.g. out of memory for a fusion buffer): kInternal, naming the
+//     operation and the cause; the peers then fail when this rank's transport goes;
+//   - the ranks' agreement digests differ (Note [Agreement digest] in controller.h): every
+//     rank sees the same digests in the same round, so every rank stops in that round, before
+//     deciding anything, with a kMismatch naming the ranks that differ.
 // Shutdown by any rank is negotiated: every rank stops after the round in which it is seen,
 // failing what is still pending with kShutdown.
 #pragma once
@@ -103,6 +112,8 @@ class Engine {
   void CoalesceBurst();
   void GatherBySize();
   void Stop(const Status& status);
+  // Note [Agreement digest]: Ok, or the status that stops every rank in this round.
+  Status CheckDigests(const std::vector<std::string>& raw) const;
   void MaybeInline(Request* r, const at::Tensor& input) const;
   // Note [Autotune]: feeds rank 0's tuner after a round that moved `bytes`.
   void RecordForAutotune(int64_t bytes);
@@ -120,6 +131,8 @@ class Engine {
   ControlChannel channel_;
   Controller controller_;
   Executor executor_;
+  const uint64_t settings_digest_;    // Note [Job-wide settings] in config.h
+  int64_t rounds_ = 0;
   TunedParams params_;                // in effect this round: rank 0's (Note [Autotune])
   std::unique_ptr<Autotuner> tuner_;  // rank 0 with HVDLITE_AUTOTUNE=1 only
   std::atomic<bool> shutdown_requested_{false};

@@ -5,8 +5,14 @@
 //
 // A failed item (mismatch, stall) completes its handle with the item's status. A rank that has
 // joined takes part in the others' collectives with a neutral input (Note [Join] in
-// controller.h). A collective that throws is not caught here: the engine treats it as fatal
-// (Note [Fatal errors] in engine.h), after completing this batch's handles with the error.
+// controller.h). An exception while running a batch completes the batch's handles with the
+// error and is thrown on to the engine, which stops (Note [Fatal errors] in engine.h): as a
+// StatusError (kInternal) when it came before the collective started, i.e. this rank could
+// not take part (out of memory for a fusion buffer), else unchanged (the transport failed).
+//
+// The code is split by concept: executor.cc dispatches a batch and completes its handles,
+// executor_reduce.cc runs reductions (fusion, striping over channels), executor_data.cc the
+// collectives that only move data, inline_payloads.cc the results computed from payloads.
 //
 // Note [CPU channels]
 // A Gloo allreduce of one large buffer does not keep loopback TCP busy: on the 2-rank
@@ -20,18 +26,28 @@
 #pragma once
 
 #include <c10/core/Stream.h>
+#include <c10/util/Exception.h>
 
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backend.h"
 #include "fusion.h"
+#include "status_error.h"
 #include "tensor_queue.h"
 #include "timeline.h"
 
 namespace hvdlite {
+
+// An exception's message without c10's backtrace, for statuses that users read.
+inline std::string ExceptionText(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
 
 class Executor {
  public:
@@ -66,7 +82,10 @@ class Executor {
   void Fail(std::vector<Local>& locals, const Status& status);
   c10::Stream EngineStream(c10::Device device);
   // Timeline: brackets the collective itself inside a batch's execution.
-  void CollectiveStarts() { collective_start_us_ = timeline_->enabled() ? MonotonicMicros() : 0; }
+  void CollectiveStarts() {
+    collective_started_ = true;
+    collective_start_us_ = timeline_->enabled() ? MonotonicMicros() : 0;
+  }
   void CollectiveEnds() { collective_end_us_ = timeline_->enabled() ? MonotonicMicros() : 0; }
   void Trace(const std::vector<Local>& locals, int64_t start_us, int64_t end_us);
 
@@ -79,6 +98,7 @@ class Executor {
   FusionBufferPool buffers_;
   std::map<std::pair<int, int>, c10::Stream> streams_;
   Timeline* timeline_;
+  bool collective_started_ = false;  // the current batch reached its collective
   int64_t collective_start_us_ = 0;
   int64_t collective_end_us_ = 0;
 };

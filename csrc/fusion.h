@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-#include "controller.h"
+#include "ready_item.h"
 
 namespace hvdlite {
 

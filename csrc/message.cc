@@ -5,7 +5,8 @@
 namespace hvdlite {
 namespace {
 
-constexpr uint32_t kMagic = 0x48564c31;  // "HVL1": catches a peer speaking something else
+// "HVL" and the protocol version: catches a peer speaking something else.
+constexpr uint32_t kMagic = 0x48564c00 + kProtocolVersion;
 constexpr uint32_t kMaxNameBytes = 1u << 20;
 constexpr uint32_t kMaxDims = 64;
 constexpr uint32_t kMaxSplits = 1u << 20;
@@ -137,9 +138,17 @@ bool Request::SameAs(const Request& o) const {
          shape == o.shape && group == o.group && group_size == o.group_size && splits == o.splits;
 }
 
+bool PeekDigests(const char* data, size_t size, uint64_t* settings, uint64_t* state) {
+  Reader in(data, size);
+  uint32_t magic = 0;
+  return in.Get(&magic) && magic == kMagic && in.Get(settings) && in.Get(state);
+}
+
 std::string EncodeRankMessage(const RankMessage& message, const CacheLookup& lookup) {
   Writer out;
   out.Put<uint32_t>(kMagic);
+  out.Put<uint64_t>(message.settings_digest);
+  out.Put<uint64_t>(message.state_digest);
   out.Put<uint32_t>(message.flags);
   out.Put<int64_t>(message.clock_ms);
   if (message.flags & kFlagTuned) {
@@ -186,7 +195,8 @@ Status DecodeRankMessage(const char* data, size_t size, RankMessage* out,
            (in.Get(&t.fusion_threshold_bytes) && in.Get(&t.cycle_time_ms) &&
             t.fusion_threshold_bytes >= 0 && t.cycle_time_ms >= 0.0 && t.cycle_time_ms <= 60000.0);
   };
-  if (!in.Get(&magic) || magic != kMagic || !in.Get(&message.flags) ||
+  if (!in.Get(&magic) || magic != kMagic || !in.Get(&message.settings_digest) ||
+      !in.Get(&message.state_digest) || !in.Get(&message.flags) ||
       !in.Get(&message.clock_ms) || !read_tuned() || !in.Get(&count) || count > kMaxRequests) {
     return Status(StatusCode::kInternal, "malformed control message header (" +
                                              std::to_string(size) + " bytes)");

@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "autotune.h"
 #include "status.h"
 #include "types.h"
 
@@ -56,12 +55,24 @@ enum RankMessageFlags : uint32_t {
   kFlagTuned = 1u << 2,           // rank 0 only: `tuned` holds the parameters for this round
 };
 
+// Note [Protocol version]: the first four bytes of every control message; ranks running
+// builds that speak different protocols are refused at hvd.init(), before any round.
+constexpr uint32_t kProtocolVersion = 2;
+
 struct RankMessage {
   uint32_t flags = 0;
+  // Note [Agreement digest] (controller.h): the settings in force (JobWideDigest) and the
+  // sender's controller state before this round; both must be the same on every rank.
+  uint64_t settings_digest = 0;
+  uint64_t state_digest = 0;
   int64_t clock_ms = 0;  // the sender's monotonic clock; rank 0's is the job's clock for stalls
   TunedParams tuned;     // with kFlagTuned (Note [Autotune] in autotune.h)
   std::vector<Request> requests;
 };
+
+// Reads only the digests at the front of an encoded message, before anything is decoded with
+// the receiver's cache; false if the header is malformed.
+bool PeekDigests(const char* data, size_t size, uint64_t* settings, uint64_t* state);
 
 std::string EncodeRankMessage(const RankMessage& message, const CacheLookup& lookup = nullptr);
 // Cached references are resolved through `resolve` (payloads are then taken from the message).

@@ -1,6 +1,15 @@
 #include "response_cache.h"
 
 namespace hvdlite {
+namespace {
+
+uint64_t IdHash(uint32_t id, const std::string& name) {
+  uint64_t h = 1469598103934665603ULL ^ id;
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
+}  // namespace
 
 ResponseCache::ResponseCache(size_t capacity, int size) : capacity_(capacity), size_(size) {}
 
@@ -36,6 +45,7 @@ void ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Requ
     id = recency_.back();  // evict the least recently used name
     recency_.pop_back();
     by_name_.erase(entries_[id].name);
+    fingerprint_ ^= IdHash(id, entries_[id].name);
   }
   Entry& entry = entries_[id];
   if (is_new) {
@@ -43,6 +53,7 @@ void ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Requ
     entry.by_rank.assign(size_, Request());
     entry.present.assign(size_, false);
     by_name_[name] = id;
+    fingerprint_ ^= IdHash(id, name);
   }
   for (size_t i = 0; i < ranks.size(); ++i) {
     entry.by_rank[ranks[i]] = by_rank[i];
@@ -52,6 +63,13 @@ void ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Requ
   }
   recency_.push_front(id);
   entry.recency = recency_.begin();
+}
+
+void ResponseCache::Clear() {
+  entries_.clear();
+  by_name_.clear();
+  recency_.clear();
+  fingerprint_ = 0;
 }
 
 }  // namespace hvdlite

@@ -36,6 +36,10 @@ class ResponseCache {
   void Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
 
   size_t entries() const { return by_name_.size(); }
+  // Which names sit under which ids, as one number (Note [Agreement digest] in controller.h).
+  uint64_t Fingerprint() const { return fingerprint_ ^ entries_.size(); }
+  // Forgets everything (a test hook that makes one rank's cache diverge).
+  void Clear();
 
  private:
   struct Entry {
@@ -49,6 +53,7 @@ class ResponseCache {
   std::vector<Entry> entries_;                       // indexed by id
   std::unordered_map<std::string, uint32_t> by_name_;
   std::list<uint32_t> recency_;                      // most recently used first
+  uint64_t fingerprint_ = 0;                         // XOR of IdHash over (id, name)
 };
 
 }  // namespace hvdlite

@@ -7,18 +7,19 @@ namespace hvdlite {
 Status TensorQueue::Push(std::vector<Entry> entries) {
   std::unordered_set<std::string> names;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!closed_.ok()) return closed_;
+  if (!closed_.ok() && !entries.empty()) {
+    // Note [Status subjects]: why the engine stopped, now about this call.
+    return closed_.For(KindName(entries.front().request.kind), entries.front().request.name);
+  }
   for (const Entry& entry : entries) {
     const Request& r = entry.request;
     if (!names.insert(r.name).second) {
-      return Status(StatusCode::kInvalidArgument,
-                    std::string(KindName(r.kind)) + " of '" + r.name +
-                        "': the name appears twice in one grouped call; names must be unique");
+      return Status::Of(StatusCode::kInvalidArgument, KindName(r.kind), r.name,
+                        "the name appears twice in one grouped call; names must be unique");
     }
     if (in_flight_.count(r.name)) {
-      return Status(StatusCode::kInvalidArgument,
-                    std::string(KindName(r.kind)) + " of '" + r.name +
-                        "': a collective with this name is already in flight on this rank; "
+      return Status::Of(StatusCode::kInvalidArgument, KindName(r.kind), r.name,
+                        "a collective with this name is already in flight on this rank; "
                         "synchronize it first or use another name");
     }
   }

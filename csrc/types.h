@@ -30,6 +30,18 @@ enum class ReduceOp : uint8_t {
 };
 constexpr int kMaxReduceOp = 5;
 
+// Job-wide parameters that rank 0 may change while the job runs (Note [Autotune] in
+// autotune.h); every rank plans each round with rank 0's.
+struct TunedParams {
+  int64_t fusion_threshold_bytes = 0;
+  double cycle_time_ms = 0.0;
+  bool operator==(const TunedParams& o) const {
+    return fusion_threshold_bytes == o.fusion_threshold_bytes && cycle_time_ms == o.cycle_time_ms;
+  }
+};
+
+enum class LogLevel : uint8_t { kTrace = 0, kDebug = 1, kInfo = 2, kWarning = 3, kError = 4 };
+
 const char* KindName(CollectiveKind kind);
 const char* ReduceOpName(ReduceOp op);
 

@@ -44,10 +44,10 @@ _EXPORTS = {
     "SyncBatchNorm": "sync_batch_norm",
 }
 
-# The extension links against torch's libraries, so it must load after torch: basics imports
+# The extension links against torch's libraries, so it must load after torch: _native imports
 # torch, then _core, and turns a failure into the ImportError that says how to build it.
 # (`from hvdlite import _core` goes through here; a bare `import hvdlite._core` does not.)
-_PRIVATE = {"_core": "basics"}
+_PRIVATE = {"_core": "_native"}
 
 __all__ = list(_EXPORTS)
 

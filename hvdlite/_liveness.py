@@ -1,7 +1,8 @@
 """Naming a lost rank: which peer died, when the transport only says "connection reset".
 
-At init every rank publishes its host name and pid in the rendezvous store; after the
-engines start (a rendezvous of every rank) each rank reads the whole table. When an engine
+At init every rank publishes its host name and pid in the rendezvous store (with the build
+and settings record of _settings.py); before the engines start each rank reads the whole table
+(a rendezvous of every rank). When an engine
 reports a rank failure, ranks on the same host can be checked directly: a peer whose pid no
 longer runs (or is a zombie) is the lost rank. Peers on other hosts are named by the address
 in the transport's message, mapped to the ranks on that host.
@@ -16,8 +17,8 @@ import time
 _KEY = "proc/{}"
 
 
-def publish(store, prefix, rank):
-    info = {"host": socket.gethostname(), "pid": os.getpid()}
+def publish(store, prefix, rank, extra=None):
+    info = {"host": socket.gethostname(), "pid": os.getpid(), **(extra or {})}
     try:
         info["addr"] = socket.gethostbyname(info["host"])
     except OSError:

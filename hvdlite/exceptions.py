@@ -20,14 +20,18 @@ __all__ = [
 class HvdliteError(RuntimeError):
     """Base class of every hvdlite failure.
 
-    Attributes ``op`` and ``tensor_name`` are filled where the message names them.
+    Attributes, where they apply: ``op`` (the operation, e.g. "allreduce"), ``tensor_name``,
+    ``ranks`` (the ranks the failure concerns: those that differ in a mismatch, those missing in
+    a stall, those lost in a rank failure, those that shut down), and ``reason`` (the message
+    without its subject).
     """
 
-    def __init__(self, message, op=None, tensor_name=None, ranks=None):
+    def __init__(self, message, op=None, tensor_name=None, ranks=None, reason=None):
         super().__init__(message)
         self.op = op
         self.tensor_name = tensor_name
         self.ranks = ranks
+        self.reason = reason if reason is not None else message
 
 
 class MismatchError(HvdliteError):
@@ -53,28 +57,22 @@ class NotInitializedError(HvdliteError, ValueError):
 # Scripts written for Horovod catch this name.
 HorovodInternalError = HvdliteError
 
-# Status codes of csrc/status.h.
-_INVALID_ARGUMENT, _MISMATCH, _RANK_FAILURE, _STALL, _SHUTDOWN, _INTERNAL = 1, 2, 3, 4, 5, 6
+def _from_status(code, message, op="", tensor="", ranks=(), reason=""):
+    """Builds the exception for an engine status (called by the native module's translator).
 
-
-def _parse_subject(message):
-    """Reads "<op> of '<name>': ..." from the front of an engine message."""
-    head, sep, _ = message.partition("': ")
-    if not sep or " of '" not in head:
-        return None, None
-    op, _, name = head.partition(" of '")
-    return op, name
-
-
-def _from_status(code, message):
-    """Builds the exception for an engine status (called by the native module)."""
-    if code == _INVALID_ARGUMENT:
+    The status's fields (Note [Status subjects] in csrc/status.h) become the exception's
+    ``op``, ``tensor_name``, ``ranks`` and ``reason``; nothing is parsed back from the message.
+    """
+    from ._native import _core
+    codes = _core.STATUS_CODES
+    if code == codes["invalid_argument"]:
         return ValueError(message)
-    op, name = _parse_subject(message)
     cls = {
-        _MISMATCH: MismatchError,
-        _RANK_FAILURE: RankFailureError,
-        _STALL: StallError,
-        _SHUTDOWN: ShutdownError,
+        codes["mismatch"]: MismatchError,
+        codes["rank_failure"]: RankFailureError,
+        codes["stall"]: StallError,
+        codes["shutdown"]: ShutdownError,
     }.get(code, HvdliteError)
-    return cls(message, op=op, tensor_name=name)
+    exc = cls(message, op=op or None, tensor_name=tensor or None, ranks=list(ranks) or None)
+    exc.reason = reason
+    return exc

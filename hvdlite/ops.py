@@ -16,20 +16,23 @@ import numbers
 
 import torch
 
-from . import basics
-from .process_sets import global_process_set
+from . import _state
+from ._native import _core
+from .process_sets import ProcessSet, global_process_set
 
-# Reduce ops, with horovod.torch's values.
-Average = 0
-Sum = 1
-Adasum = 2
-Min = 3
-Max = 4
-Product = 5
-_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+# Reduce ops, with horovod.torch's values (csrc/types.h exports them).
+Average = _core.REDUCE_OPS["Average"]
+Sum = _core.REDUCE_OPS["Sum"]
+Adasum = _core.REDUCE_OPS["Adasum"]
+Min = _core.REDUCE_OPS["Min"]
+Max = _core.REDUCE_OPS["Max"]
+Product = _core.REDUCE_OPS["Product"]
+_OP_NAMES = {value: name for name, value in _core.REDUCE_OPS.items()}
 
 # Collective kinds of csrc/types.h.
-_ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER, _BARRIER, _JOIN = range(7)
+_ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER, _BARRIER, _JOIN = (
+    _core.COLLECTIVE_KINDS[name] for name in
+    ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join"))
 
 # The dtypes the Gloo backend carries; NCCL carries the same for CUDA tensors.
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
@@ -116,7 +119,7 @@ def _resolve_op(fn, average, op, allowed=(Average, Sum, Min, Max, Product)):
 def _check_root(fn, root_rank, runtime):
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
         raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
-    if runtime.size == basics.size() and runtime.ranks == list(range(runtime.size)):
+    if runtime.size == _state.current().topology.size and runtime.ranks == list(range(runtime.size)):
         if not 0 <= root_rank < runtime.size:
             raise ValueError(f"{fn}: root_rank {root_rank} is out of range for a job of {runtime.size} ranks")
         return int(root_rank)
@@ -127,16 +130,15 @@ def _check_root(fn, root_rank, runtime):
 
 def _runtime(fn, process_set):
     """The engine of `process_set` on this rank, or a clear error."""
-    state = basics._current()
+    state = _state.current()
     if process_set is None or process_set is global_process_set:
         return state, state.sets[0]
-    set_id = getattr(process_set, "process_set_id", "not a ProcessSet")
-    if set_id == "not a ProcessSet":
+    if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{fn}: process_set must be a hvdlite.ProcessSet, got {type(process_set).__name__}")
-    runtime = state.sets.get(set_id)
-    if runtime is None:
-        raise ValueError(f"{fn}: {process_set!r} has not been added; call hvdlite.add_process_set() "
-                         "on every rank first")
+    try:
+        runtime = process_set._runtime()
+    except ValueError as exc:
+        raise ValueError(f"{fn}: {exc}") from None
     if runtime.engine is None:
         raise ValueError(f"{fn}: rank {state.topology.rank} is not in {process_set!r}")
     return state, runtime
@@ -163,7 +165,7 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
             core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale,
                                                   postscale, group, list(splits))
     except Exception as exc:
-        raise basics._explain(exc, state)
+        raise _state.explain(exc, state)
     handle = next(state.handle_ids)
     state.handles[handle] = _Pending(runtime.engine, core_handles, finish)
     return handle
@@ -427,7 +429,7 @@ def join(device=-1):
 
 def poll(handle):
     """True when the operation behind ``handle`` has finished (successfully or not)."""
-    pending = basics._current().handles.get(handle)
+    pending = _state.current().handles.get(handle)
     if pending is None:
         raise ValueError(f"poll: unknown handle {handle!r} (already synchronized?)")
     return all(pending.engine.poll(h) for h in pending.core_handles)
@@ -453,7 +455,7 @@ def synchronize(handle):
     Raises the operation's ``HvdliteError`` (e.g. ``MismatchError`` on every rank involved) if
     it failed. A handle can be synchronized once.
     """
-    state = basics._current()
+    state = _state.current()
     pending = state.handles.pop(handle, None)
     if pending is None:
         raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
@@ -463,5 +465,5 @@ def synchronize(handle):
         else:  # one call, GIL released once, for a whole group
             outputs = pending.engine.wait_all(pending.core_handles)
     except Exception as exc:
-        raise basics._explain(exc, state)
+        raise _state.explain(exc, state)
     return pending.finish(outputs)

@@ -8,7 +8,7 @@ independently: a collective in one set never waits for another set's traffic.
 all ranks, in the same order, with the same ranks, also on ranks outside the set.
 """
 
-from . import basics
+from . import _groups, _state
 
 
 class ProcessSet:
@@ -28,11 +28,18 @@ class ProcessSet:
                 raise ValueError(f"ProcessSet: ranks {ranks} contain duplicates")
             self.ranks = sorted(ranks)
         self.process_set_id = 0 if ranks is None else None
+        self._generation = None  # the init() generation it was added in (Note [Generations])
 
     def _runtime(self):
-        state = basics._current()
+        state = _state.current()
+        if self.ranks is None:
+            return state.sets[0]
         if self.process_set_id is None or self.process_set_id not in state.sets:
             raise ValueError(f"{self!r} has not been added: call hvdlite.add_process_set() on every rank")
+        if self._generation != state.generation:
+            # Set ids restart with every init(); this object's id would name another set.
+            raise ValueError(f"{self!r} was added before hvdlite.shutdown(); process sets do not "
+                             "survive a restart: add it again after init()")
         return state.sets[self.process_set_id]
 
     def size(self):
@@ -63,10 +70,11 @@ def add_process_set(process_set):
     """
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    state = basics._current()
+    state = _state.current()
     if process_set.ranks is None:
         raise ValueError("add_process_set: the global process set always exists")
-    if process_set.process_set_id is not None and process_set.process_set_id in state.sets:
+    if (process_set.process_set_id is not None and process_set._generation == state.generation
+            and process_set.process_set_id in state.sets):
         raise ValueError(f"add_process_set: {process_set!r} was already added")
     size = state.topology.size
     bad = [r for r in process_set.ranks if not 0 <= r < size]
@@ -77,10 +85,11 @@ def add_process_set(process_set):
     engine, groups, rank = None, (), -1
     if me in process_set.ranks:
         rank = process_set.ranks.index(me)
-        engine, groups = basics._start_engine((state.store, state.prefix, state.loopback),
-                                              f"set{set_id}", rank, len(process_set.ranks))
-    state.sets[set_id] = basics._SetRuntime(list(process_set.ranks), engine, groups, rank)
+        engine, groups = _groups.start_engine(state.group_context(), f"set{set_id}", rank,
+                                              len(process_set.ranks))
+    state.sets[set_id] = _state.SetRuntime(list(process_set.ranks), engine, groups, rank)
     process_set.process_set_id = set_id
+    process_set._generation = state.generation
     return process_set
 
 
@@ -89,9 +98,11 @@ def remove_process_set(process_set):
 
     Returns True if the set was registered. Call it on every rank.
     """
-    state = basics._current()
+    state = _state.current()
     if process_set.ranks is None:
         raise ValueError("remove_process_set: the global process set cannot be removed")
+    if process_set._generation != state.generation:
+        return False
     runtime = state.sets.pop(process_set.process_set_id, None)
     if runtime is None:
         return False

@@ -5,8 +5,8 @@ Map of the package (one concept per file):
   config.py       the typed job configuration; flags -> HVDLITE_* core variables
   hosts.py        -H / --hostfile parsing and the pure slot assignment
   environment.py  each rank's environment (the contract with hvd.init() and torchrun names)
-  rendezvous.py   the secret-protected key-value server and its client; connect()
-  store.py        SecretStore, the client as a torch.distributed.Store
+  rendezvous.py   the secret-protected key-value server (its wire protocol, client and
+                  SecretStore live in the library: hvdlite/_rendezvous_wire.py, _store.py)
   network.py      interface addresses, local-host detection, free ports
   workers.py      starting local and ssh ranks, signals, stopping them all
   output.py       rank-prefixed output and per-rank files

@@ -15,7 +15,7 @@ CASES = {
     "kind": "operation mismatch: rank 0 has allreduce; rank 1 has broadcast",
     "prescale": "prescale factor mismatch: rank 0 has 1; rank 1 has 2",
     "allgather_dims": "shape beyond the first dimension mismatch: rank 0 has [2]; rank 1 has [3]",
-    "grouped": "grouped operation 'grp' failed: allreduce of 'grp.1': shape mismatch",
+    "grouped": "grouped allreduce 'grp': allreduce of 'grp.1': shape mismatch",
 }
 
 

@@ -85,19 +85,20 @@ def _stall():
     try:
         hvd.allreduce(torch.ones(2), name=f"only-on-rank-{rank}")
     except hvd.StallError as exc:
-        message, waited = str(exc), time.monotonic() - started
+        message, waited, ranks = str(exc), time.monotonic() - started, exc.ranks
     healthy = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="after-stall").item()
     hvd.shutdown()
-    return message, waited, healthy
+    return message, waited, healthy, ranks
 
 
 def test_stall_warns_then_fails_naming_the_missing_rank():
     env = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "3"}
     job = Job(2, __name__, "_stall", env=env)
     results = job.wait(timeout=60)
-    for rank, (message, waited, healthy) in enumerate(results):
+    for rank, (message, waited, healthy, ranks) in enumerate(results):
         other = 1 - rank
-        assert f"allreduce 'only-on-rank-{rank}'" in message and f"missing rank {other}" in message, message
+        assert message.startswith(f"allreduce of 'only-on-rank-{rank}': stalled for "), message
+        assert f"missing rank {other}" in message and ranks == [other], message
         assert f"submitted by rank {rank}" in message
         assert 2.5 < waited < 15, waited
         assert healthy == 2

@@ -85,3 +85,33 @@ def _bad_sets():
 
 def test_bad_process_sets_raise_clear_errors():
     assert all(run_ranks(2, __name__, "_bad_sets"))
+
+
+def _set_across_restart():
+    hvd.init()
+    old = hvd.add_process_set([0, 1])
+    if hvd.rank() in (0, 1):
+        assert hvd.allreduce(torch.ones(1), name="a", op=hvd.Sum, process_set=old).item() == 2
+    hvd.shutdown()
+    hvd.init()  # a new generation: set ids start again, so old's id would name `new`
+    new = hvd.add_process_set([1, 2])
+    errors = []
+    for call in (lambda: old.size(), lambda: hvd.allreduce(torch.ones(1), name="b", process_set=old)):
+        with pytest.raises(ValueError) as info:
+            call()
+        errors.append(str(info.value))
+    removed = hvd.remove_process_set(old)
+    again = hvd.add_process_set(old)  # adding it again is the way back
+    total = hvd.allreduce(torch.ones(1), name="c", op=hvd.Sum, process_set=again).item() \
+        if hvd.rank() in (0, 1) else None
+    sizes = (new.size(), again.size())
+    hvd.shutdown()
+    return errors, removed, total, sizes
+
+
+def test_process_set_kept_across_shutdown_and_init_does_not_map_onto_another_set():
+    for rank, (errors, removed, total, sizes) in enumerate(run_ranks(3, __name__, "_set_across_restart")):
+        for message in errors:
+            assert "ProcessSet(ranks=[0, 1]) was added before hvdlite.shutdown()" in message, message
+        assert removed is False and sizes == (2, 2)
+        assert total == (2 if rank in (0, 1) else None)

@@ -60,20 +60,6 @@ def test_negotiation_broadcast_root_and_allgather_first_dimension():
     assert "shape beyond the first dimension mismatch" in r["ready"][0]["message"]
 
 
-def test_group_is_released_only_when_complete_and_fails_as_a_whole():
-    c = _core._ControllerHarness(2)
-    g = dict(group="G", group_size=2)
-    r = c.round([msg(req("G.0", **g), req("G.1", **g)), msg(req("G.0", **g))])
-    assert r["ready"] == []
-    r = c.round([msg(), msg(req("G.1", **g))])
-    assert [i["name"] for i in r["ready"]] == ["G.0", "G.1"]
-    r = c.round([msg(req("H.0", group="H", group_size=2), req("H.1", group="H", group_size=2)),
-                 msg(req("H.0", group="H", group_size=2), req("H.1", shape=[5], group="H", group_size=2))])
-    assert [i["code"] for i in r["ready"]] == [2, 2]
-    assert all(i["message"].startswith("grouped operation 'H' failed: allreduce of 'H.1': shape mismatch")
-               for i in r["ready"])
-
-
 def test_round_flags_shutdown_quiet_and_outstanding():
     c = _core._ControllerHarness(2)
     r = c.round([msg(flags=2), msg(flags=2)])

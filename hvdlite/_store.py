@@ -1,4 +1,4 @@
-"""SecretStore: the rendezvous client as a torch.distributed.Store.
+"""SecretStore: the rendezvous client as a torch.distributed.Store, and connecting to it.
 
 torch lets Python subclass `torch.distributed.Store` (a pybind trampoline forwards the C++
 virtual calls to the Python methods), so Gloo, NCCL and PrefixStore use this store exactly like
@@ -6,11 +6,12 @@ a TCPStore. All the wire work is in rendezvous.RendezvousClient; this file only 
 timeouts. Safe to use from several threads (the client pools its connections).
 """
 import datetime
+import os
 from typing import List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .rendezvous import RendezvousClient, RendezvousError, RendezvousTimeout
+from ._rendezvous_wire import RendezvousClient, RendezvousError, RendezvousTimeout
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -27,7 +28,8 @@ class StoreTimeoutError(_StoreError):
 # process groups hold by intrusive_ptr, and the Python object, which holds the overrides. When
 # the last *Python* reference goes (e.g. PrefixStore("p", connect(...)) with no variable), the
 # Python half is freed and every later call fails with "Not implemented" inside c10d. So each
-# open SecretStore stays in this set until close(); hvd.shutdown() should close its store.
+# open SecretStore stays in this set until close(). hvd.shutdown() does not close it: the
+# process keeps its store so that a later init() (a new generation) can rendezvous again.
 _OPEN_STORES: "set[SecretStore]" = set()
 
 
@@ -132,3 +134,36 @@ class SecretStore(dist.Store):
         alive]: an open store is never garbage collected."""
         _OPEN_STORES.discard(self)
         self._client.close()
+
+
+def connect(addr: str, port: int, secret: str, rank: int = -1, timeout=None):
+    """Connect to the launcher's rendezvous store and return a `SecretStore`.
+
+    `timeout` (a datetime.timedelta or seconds; default 300 s) bounds both reaching the server
+    and every blocking get/wait. Raises RendezvousError when the server refuses the secret.
+    This is what hvd.init() calls.
+    """
+    return SecretStore(addr, port, secret, rank=rank, timeout=timeout)
+
+
+def connect_from_environ(environ=None, timeout=None):
+    """`connect` with the HVDLITE_RENDEZVOUS_* and HVDLITE_RANK variables the launcher set.
+
+    Returns None when HVDLITE_RENDEZVOUS_ADDR is not set (not started by hvdliterun).
+    """
+    env = os.environ if environ is None else environ
+    if not env.get("HVDLITE_RENDEZVOUS_ADDR"):
+        return None
+    names = ("HVDLITE_RENDEZVOUS_PORT", "HVDLITE_RENDEZVOUS_SECRET", "HVDLITE_RANK")
+    missing = [n for n in names if not env.get(n)]
+    if missing:
+        raise RendezvousError(
+            "HVDLITE_RENDEZVOUS_ADDR is set but " + ", ".join(missing) + " is not")
+    try:
+        port, rank = int(env["HVDLITE_RENDEZVOUS_PORT"]), int(env["HVDLITE_RANK"])
+    except ValueError:
+        raise RendezvousError(
+            f"HVDLITE_RENDEZVOUS_PORT={env['HVDLITE_RENDEZVOUS_PORT']!r} and "
+            f"HVDLITE_RANK={env['HVDLITE_RANK']!r} must be whole numbers") from None
+    return connect(env["HVDLITE_RENDEZVOUS_ADDR"], port, env["HVDLITE_RENDEZVOUS_SECRET"],
+                   rank=rank, timeout=timeout)

@@ -1,0 +1,110 @@
+#include "executor.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <functional>
+
+#include "kernels.h"
+
+namespace hvdlite {
+namespace {
+
+// Rows of dimension 0 that `rank` keeps in a reducescatter: as even as possible, the first
+// (rows % size) ranks get one more.
+std::pair<int64_t, int64_t> ScatterRange(int64_t rows, int rank, int size) {
+  const int64_t base = rows / size, extra = rows % size;
+  return {rank * base + std::min<int64_t>(rank, extra), base + (rank < extra ? 1 : 0)};
+}
+
+}  // namespace
+
+void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
+  const ReadyItem& item = *locals.front().item;
+  const Request& request = item.request;
+  const bool scatter = request.kind == CollectiveKind::kReducescatter;
+  const bool average = request.op == ReduceOp::kAverage;
+  const ReduceOp wire_op = average ? ReduceOp::kSum : request.op;
+  int64_t total = 0;
+  for (Local& local : locals) total += local.entry.input.numel();
+
+  auto finish = [&](at::Tensor& part) { Postprocess(part, average, item.contributors, request.postscale); };
+  Entry& first = locals.front().entry;
+  if (!scatter && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
+    // One tensor: reduce straight in the output, no fusion buffer.
+    if (!first.output.is_same(first.input)) first.output.copy_(first.input);
+    Scale(first.output, request.prescale);
+    at::Tensor flat = first.output.view({-1});
+    CollectiveStarts();
+    AllreduceFlat(flat, wire_op, backend, finish);
+    CollectiveEnds();
+    return;
+  }
+  // Note [Reducescatter over Gloo]: a reducescatter reduces the whole (fused) buffer and keeps
+  // this rank's rows; it fuses like allreduce and handles uneven row counts.
+  at::Tensor buffer = buffers_.Get(first.input.device(), first.input.scalar_type(), total);
+  int64_t offset = 0;
+  for (Local& local : locals) {
+    CopyIn(buffer, offset, local.entry.input);  // Note [Copies into fusion buffers]
+    offset += local.entry.input.numel();
+  }
+  if (total > 0) {
+    Scale(buffer, request.prescale);
+    CollectiveStarts();
+    AllreduceFlat(buffer, wire_op, backend, finish);
+    CollectiveEnds();
+  }
+  offset = 0;
+  for (Local& local : locals) {
+    if (scatter) {
+      at::Tensor result = Shaped(buffer, offset, local.entry.input);
+      auto [start, rows] = ScatterRange(result.size(0), rank_, size_);
+      local.entry.output = result.narrow(0, start, rows).clone();
+    } else {
+      CopyOut(buffer, offset, local.entry.output);
+    }
+    offset += local.entry.input.numel();
+  }
+}
+
+void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend,
+                             const std::function<void(at::Tensor&)>& finish) {
+  // Note [CPU channels]
+  constexpr int64_t kStripeBytes = 8LL << 20;
+  const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
+  const int64_t stripes =
+      flat.device().is_cpu() ? std::min<int64_t>(static_cast<int64_t>(cpu_.size()), bytes / kStripeBytes) : 1;
+  if (stripes <= 1) {
+    backend->Allreduce(flat, op);
+    finish(flat);
+    return;
+  }
+  const int64_t per = (flat.numel() + stripes - 1) / stripes;
+  std::vector<at::Tensor> parts;
+  std::vector<std::function<void()>> waits;
+  std::exception_ptr failure;
+  for (int64_t i = 0; i < stripes && i * per < flat.numel(); ++i) {
+    parts.push_back(flat.narrow(0, i * per, std::min(per, flat.numel() - i * per)));
+    try {
+      waits.push_back(cpu_[i]->StartAllreduce(parts.back(), op));
+    } catch (...) {
+      failure = std::current_exception();
+      break;
+    }
+  }
+  for (size_t i = 0; i < waits.size(); ++i) {  // every started stripe is waited for before anything is thrown
+    try {
+      waits[i]();
+      if (!failure) finish(parts[i]);
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,204 @@
+// Test hooks: the core's pure logic (controller, planner, message encoding, autotuner) driven
+// from Python in one process, for tests/unit. Nothing here is used by a running job.
+#include "test_hooks.h"
+
+#include <pybind11/stl.h>
+
+#include "autotune.h"
+#include "controller.h"
+#include "fusion.h"
+#include "message.h"
+#include "status_error.h"
+
+namespace py = pybind11;
+
+namespace hvdlite {
+namespace {
+
+Request RequestFromDict(const py::dict& d) {
+  Request r;
+  r.name = d["name"].cast<std::string>();
+  r.kind = static_cast<CollectiveKind>(d.contains("kind") ? d["kind"].cast<int>() : 0);
+  r.dtype = static_cast<int8_t>(d.contains("dtype") ? d["dtype"].cast<int>() : 6);
+  r.device_type = static_cast<int8_t>(d.contains("device_type") ? d["device_type"].cast<int>() : 0);
+  r.op = static_cast<ReduceOp>(d.contains("op") ? d["op"].cast<int>() : 1);
+  r.root = d.contains("root") ? d["root"].cast<int>() : 0;
+  r.prescale = d.contains("prescale") ? d["prescale"].cast<double>() : 1.0;
+  r.postscale = d.contains("postscale") ? d["postscale"].cast<double>() : 1.0;
+  r.shape = d.contains("shape") ? d["shape"].cast<std::vector<int64_t>>() : std::vector<int64_t>{};
+  r.group = d.contains("group") ? d["group"].cast<std::string>() : "";
+  r.group_size = d.contains("group_size") ? d["group_size"].cast<int>() : 0;
+  if (d.contains("splits")) r.splits = d["splits"].cast<std::vector<int64_t>>();
+  if (d.contains("payload")) {
+    r.inlined = true;
+    r.payload = d["payload"].cast<std::string>();
+  }
+  return r;
+}
+
+py::dict ItemToDict(const ReadyItem& item) {
+  py::dict d;
+  d["name"] = item.request.name;
+  d["code"] = static_cast<int>(item.status.code());
+  d["message"] = item.status.message();
+  d["op"] = item.status.op();
+  d["tensor"] = item.status.tensor();
+  d["ranks"] = item.status.ranks();
+  d["reason"] = item.status.reason();
+  d["rank_dim0"] = item.rank_dim0;
+  d["rank_splits"] = item.rank_splits;
+  d["joined"] = item.joined;
+  d["contributors"] = item.contributors;
+  d["last_joined"] = item.last_joined;
+  d["inlined"] = item.inlined;
+  return d;
+}
+
+RankMessage MessageFromDict(const py::dict& d) {
+  RankMessage m;
+  m.flags = d.contains("flags") ? d["flags"].cast<uint32_t>() : 0;
+  m.clock_ms = d.contains("clock_ms") ? d["clock_ms"].cast<int64_t>() : 0;
+  if (d.contains("tuned")) {
+    auto tuned = d["tuned"].cast<std::pair<int64_t, double>>();
+    m.tuned = TunedParams{tuned.first, tuned.second};
+  }
+  if (d.contains("requests")) {
+    for (auto r : d["requests"]) m.requests.push_back(RequestFromDict(r.cast<py::dict>()));
+  }
+  return m;
+}
+
+// A Controller driven round by round from Python, as every rank would drive its own.
+class ControllerHarness {
+ public:
+  ControllerHarness(int size, double stall_check, double stall_shutdown, size_t cache_capacity)
+      : controller_(size, stall_check, stall_shutdown, cache_capacity) {}
+  // Encodes rank `rank`'s message as it would travel (cached requests abbreviated), then
+  // decodes it as the receivers would: returns (bytes on the wire, decoded message).
+  py::tuple Wire(int rank, const py::dict& message) {
+    RankMessage m = MessageFromDict(message);
+    std::string wire = EncodeRankMessage(m, [&](const Request& r) { return controller_.CacheLookup(rank, r); });
+    RankMessage back;
+    Check(DecodeRankMessage(wire.data(), wire.size(), &back, [&](uint32_t id, Request* out) {
+      return controller_.CacheResolve(rank, id, out);
+    }));
+    py::list names;
+    for (const Request& r : back.requests) names.append(r.name);
+    return py::make_tuple(wire.size(), names);
+  }
+  py::dict Round(const py::list& messages) {
+    std::vector<RankMessage> parsed;
+    for (auto m : messages) parsed.push_back(MessageFromDict(m.cast<py::dict>()));
+    RoundResult result = controller_.ProcessRound(parsed);
+    py::list ready;
+    for (const ReadyItem& item : result.ready) ready.append(ItemToDict(item));
+    py::dict out;
+    out["ready"] = ready;
+    out["shutdown"] = result.shutdown;
+    out["quiet"] = result.quiet;
+    out["all_outstanding"] = result.all_outstanding;
+    out["stall_warning"] = result.stall_warning;
+    out["pending"] = controller_.pending_count();
+    out["cache_entries"] = controller_.cache_entries();
+    return out;
+  }
+  uint64_t Digest() const { return controller_.Digest(); }
+  void ForgetCache() { controller_.ForgetCacheForTest(); }
+
+ private:
+  Controller controller_;
+};
+
+py::list Plan(const py::list& requests, int64_t threshold) {
+  std::vector<ReadyItem> items;
+  for (auto r : requests) {
+    ReadyItem item;
+    py::dict d = r.cast<py::dict>();
+    item.request = RequestFromDict(d);
+    if (d.contains("failed") && d["failed"].cast<bool>())
+      item.status = Status(StatusCode::kMismatch, "failed");
+    items.push_back(std::move(item));
+  }
+  py::list batches;
+  for (const Batch& batch : PlanBatches(std::move(items), threshold)) {
+    py::list names;
+    for (const ReadyItem& item : batch.items) names.append(item.request.name);
+    batches.append(names);
+  }
+  return batches;
+}
+
+py::bytes EncodeMessage(const py::dict& message) {
+  return py::bytes(EncodeRankMessage(MessageFromDict(message)));
+}
+
+py::dict DecodeMessage(const py::bytes& data) {
+  std::string raw = data;
+  RankMessage message;
+  Check(DecodeRankMessage(raw.data(), raw.size(), &message));
+  py::dict out;
+  out["flags"] = message.flags;
+  out["clock_ms"] = message.clock_ms;
+  out["tuned"] = py::make_tuple(message.tuned.fusion_threshold_bytes, message.tuned.cycle_time_ms);
+  py::list requests;
+  for (const Request& r : message.requests) {
+    py::dict d;
+    d["name"] = r.name;
+    d["kind"] = static_cast<int>(r.kind);
+    d["dtype"] = static_cast<int>(r.dtype);
+    d["device_type"] = static_cast<int>(r.device_type);
+    d["op"] = static_cast<int>(r.op);
+    d["root"] = r.root;
+    d["prescale"] = r.prescale;
+    d["postscale"] = r.postscale;
+    d["shape"] = r.shape;
+    d["group"] = r.group;
+    d["group_size"] = r.group_size;
+    d["splits"] = r.splits;
+    d["inlined"] = r.inlined;
+    d["payload"] = py::bytes(r.payload);
+    requests.append(d);
+  }
+  out["requests"] = requests;
+  return out;
+}
+
+}  // namespace
+
+void DefineTestHooks(py::module_& m) {
+  py::class_<ControllerHarness>(m, "_ControllerHarness")
+      .def(py::init<int, double, double, size_t>(), py::arg("size"),
+           py::arg("stall_check_seconds") = 0.0, py::arg("stall_shutdown_seconds") = 0.0,
+           py::arg("cache_capacity") = 0)
+      .def("round", &ControllerHarness::Round)
+      .def("wire", &ControllerHarness::Wire)
+      .def("digest", &ControllerHarness::Digest)
+      .def("forget_cache", &ControllerHarness::ForgetCache);
+  py::class_<Autotuner>(m, "_Autotuner")
+      .def(py::init([](int64_t threshold, double cycle_ms, double sample_seconds) {
+             return Autotuner(TunedParams{threshold, cycle_ms}, sample_seconds);
+           }),
+           py::arg("fusion_threshold_bytes"), py::arg("cycle_time_ms"), py::arg("sample_seconds"))
+      .def("record", &Autotuner::Record, py::arg("bytes"), py::arg("now_seconds"))
+      .def_property_readonly("current",
+                             [](const Autotuner& t) {
+                               return py::make_tuple(t.current().fusion_threshold_bytes,
+                                                     t.current().cycle_time_ms);
+                             })
+      .def_property_readonly("done", &Autotuner::done)
+      .def("summary", &Autotuner::Summary)
+      .def("samples", [](const Autotuner& t) {
+        py::list out;
+        for (const AutotuneSample& s : t.samples()) {
+          out.append(py::make_tuple(AutotunePhaseName(s.phase), s.params.fusion_threshold_bytes,
+                                    s.params.cycle_time_ms,
+                                    s.bytes, s.seconds));
+        }
+        return out;
+      });
+  m.def("_plan", &Plan);
+  m.def("_encode_message", &EncodeMessage);
+  m.def("_decode_message", &DecodeMessage);
+}
+
+}  // namespace hvdlite

@@ -1,0 +1,10 @@
+// Test hooks (test_hooks.cc): bindings of the core's pure logic for one-process unit tests.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace hvdlite {
+
+void DefineTestHooks(pybind11::module_& m);
+
+}  // namespace hvdlite

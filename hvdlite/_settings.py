@@ -1,0 +1,98 @@
+"""Job-wide settings and the build check, agreed by every rank at init().
+
+Note [Job-wide settings] (csrc/config.h) says why the settings that feed the replicated
+controller must be the job's, not a rank's. At init() every rank publishes a record in the
+rendezvous store: its hvdlite version, native build and protocol, the job-wide HVDLITE_*
+variables set in its environment, and any error its own settings raise. After every rank's
+record is read (the reading is a rendezvous of all ranks), every rank reaches the same verdict
+from the same records:
+  - ranks running different builds fail init() on every rank, naming the builds;
+  - a rank whose settings are invalid fails init() on every rank, naming the rank and value;
+  - otherwise each rank runs with rank 0's job-wide variables plus its own per-rank ones (log
+    level, timeline, autotune log), and logs one warning per job-wide variable whose own value
+    differs from rank 0's.
+"""
+
+import os
+import sys
+
+from . import __version__
+from ._native import _core
+from .exceptions import MismatchError
+
+# A test hook: a rank with this set runs with its own job-wide values, so that tests can show
+# what the per-round settings digest does when ranks do differ (tests/multirank/test_agreement.py).
+_TEST_OWN_SETTINGS = "HVDLITE_TEST_OWN_JOB_SETTINGS"
+
+
+def _job_wide(env):
+    return {name: env[name] for name in _core.JOB_WIDE_SETTINGS if env.get(name)}
+
+
+def _per_rank(env):
+    return {name: value for name, value in env.items()
+            if name.startswith("HVDLITE_") and name not in _core.JOB_WIDE_SETTINGS}
+
+
+def _error(mapping):
+    try:
+        _core._parse_config(mapping)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def own_record(rank, env=None):
+    """What this rank publishes about its build and settings."""
+    env = os.environ if env is None else env
+    own = _job_wide(env)
+    # Only the values this rank will run with are validated here: its per-rank variables and,
+    # on rank 0, the job-wide ones (the others' job-wide values are not used).
+    error = _error({**_per_rank(env), **(own if rank == 0 else {})})
+    return {"version": __version__, "build": _core.BUILD_ID, "protocol": _core.PROTOCOL_VERSION,
+            "settings": own, "error": error}
+
+
+def _build(record):
+    return f"hvdlite {record['version']} (build {record['build']}, protocol {record['protocol']})"
+
+
+def check_records(records):
+    """Raises on every rank if the ranks' builds differ or any rank's settings are invalid."""
+    builds = {}
+    for r, record in enumerate(records):
+        builds.setdefault(_build(record), []).append(r)
+    if len(builds) > 1:
+        described = "; ".join(f"{'rank' if len(ranks) == 1 else 'ranks'} "
+                              f"{', '.join(map(str, ranks))} {'runs' if len(ranks) == 1 else 'run'} {build}"
+                              for build, ranks in builds.items())
+        differing = sorted(r for build, ranks in builds.items() if 0 not in ranks for r in ranks)
+        raise MismatchError(f"hvdlite.init(): the ranks run different hvdlite builds: {described}; "
+                            "install the same hvdlite on every host", op="init", ranks=differing)
+    errors = [(r, record["error"]) for r, record in enumerate(records) if record.get("error")]
+    if errors:
+        described = "; ".join(f"rank {r}: {error}" for r, error in errors)
+        exc = ValueError(f"hvdlite.init(): invalid settings on {'rank' if len(errors) == 1 else 'ranks'} "
+                         f"{', '.join(str(r) for r, _ in errors)} (job-wide settings are rank 0's): "
+                         f"{described}")
+        exc.ranks = [r for r, _ in errors]
+        raise exc
+
+
+def in_force(records, rank, env=None):
+    """The HVDLITE_* mapping this rank's engines run with; warns about overridden values."""
+    env = os.environ if env is None else env
+    ours = _job_wide(env)
+    if env.get(_TEST_OWN_SETTINGS) == "1":
+        return {**_per_rank(env), **ours}
+    theirs = records[0]["settings"]
+    if rank != 0:
+        for name in _core.JOB_WIDE_SETTINGS:
+            if ours.get(name) != theirs.get(name):
+                mine = ours.get(name, "unset")
+                in_effect = theirs.get(name, "unset (the default)")
+                print(f"[hvdlite rank {rank}] WARNING: {name}={mine} on this rank differs from rank 0's "
+                      f"{in_effect}; rank 0's value is in force for the whole job "
+                      "(job-wide settings, see the README's configuration table)",
+                      file=sys.stderr, flush=True)
+    return {**_per_rank(env), **theirs}

@@ -1,0 +1,97 @@
+"""The one home of hvdlite's per-process state: what ``init()`` built, until ``shutdown()``.
+
+``init()`` creates a ``_State`` and installs it with ``install()``; ``shutdown()`` takes it back
+with ``take()``. Every other module reads it through ``current()``, which raises
+NotInitializedError outside init/shutdown. Each init() is a new generation (Note
+[Generations] in basics.py): objects that belong to one generation, such as a registered
+ProcessSet, check it before use.
+"""
+
+import dataclasses
+import itertools
+import threading
+
+from . import _liveness
+from ._environment import Topology
+from .exceptions import NotInitializedError, RankFailureError
+
+
+@dataclasses.dataclass
+class SetRuntime:
+    """One process set's engine, as seen from this rank (engine None: not a member)."""
+    ranks: list     # global ranks, sorted
+    engine: object  # _core.Engine or None
+    groups: tuple   # keeps the process groups alive as long as the engine
+    rank: int       # this rank's index in `ranks` (-1 when not a member)
+    name_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def size(self):
+        return len(self.ranks)
+
+
+@dataclasses.dataclass
+class State:
+    topology: Topology
+    generation: int
+    store: object
+    prefix: str
+    loopback: bool
+    settings: dict  # the HVDLITE_* variables every engine of this init() runs with
+    sets: dict      # process set id -> SetRuntime; 0 is the global set
+    peers: list     # every rank's record (host, pid, build; see _liveness and _settings)
+    failure: tuple = None  # (text, ranks) once a rank failure has been diagnosed
+    handles: dict = dataclasses.field(default_factory=dict)
+    handle_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
+    set_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def engine(self):
+        return self.sets[0].engine
+
+    def group_context(self):
+        """What creating another engine's process groups needs (see _groups.start_engine)."""
+        return self.store, self.prefix, self.loopback, self.settings
+
+
+lock = threading.Lock()  # held by init() and shutdown() while they build or take the state
+_state = None
+
+
+def peek():
+    """The state, or None when hvdlite is not initialized."""
+    return _state
+
+
+def current():
+    state = _state
+    if state is None:
+        raise NotInitializedError("hvdlite is not initialized: call hvdlite.init() first")
+    return state
+
+
+def install(state):
+    global _state
+    _state = state
+
+
+def take():
+    """Removes and returns the state (None if there was none)."""
+    global _state
+    state, _state = _state, None
+    return state
+
+
+def explain(exc, state=None):
+    """Adds what is known about a lost peer to a RankFailureError (once per init)."""
+    state = state or _state
+    if not isinstance(exc, RankFailureError) or state is None or getattr(exc, "_explained", False):
+        return exc
+    if state.failure is None:
+        state.failure = _liveness.describe(state.peers, state.topology.rank, str(exc))
+    text, ranks = state.failure
+    if text:
+        exc.args = (f"{exc.args[0]} ({text})",) + exc.args[1:]
+        exc.ranks = ranks
+    exc._explained = True
+    return exc
