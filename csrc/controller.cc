@@ -270,28 +270,37 @@ void Controller::RecordGroup(int rank, std::vector<Request>&& members, int64_t n
 bool Controller::CheckManifests(const std::string& group, std::vector<ReadyItem>* ready) {
   Group& state = groups_.at(group);
   if (state.size > 0) return true;  // already compared and agreed
-  std::vector<int> ranks;
-  std::vector<Request> manifests;  // the manifest as a request's name, to reuse the reporting
+  // The common case without building any strings: every rank listed the same members.
+  const std::vector<std::string>* first = nullptr;
+  bool same = true;
   for (int r = 0; r < size_; ++r) {
-    if (!state.manifests[r].empty()) {
-      ranks.push_back(r);
-      Request listed;
-      for (const std::string& name : state.manifests[r]) listed.name += (listed.name.empty() ? "'" : ", '") + name + "'";
-      listed.group_size = static_cast<int32_t>(state.manifests[r].size());
-      manifests.push_back(std::move(listed));
-    } else if (!joined_[r]) {
-      return true;  // not every rank has submitted the group yet
+    if (state.manifests[r].empty()) {
+      if (!joined_[r]) return true;  // not every rank has submitted the group yet
+      continue;
     }
+    if (first == nullptr) first = &state.manifests[r];
+    same = same && state.manifests[r] == *first;
   }
-  if (ranks.empty()) return true;
+  if (first == nullptr) return true;
+  if (same) {
+    state.size = first->size();
+    return true;
+  }
+  // They differ: describe who listed what, through the same grouping as field mismatches.
+  std::vector<int> ranks;
+  std::vector<Request> manifests;  // each manifest as a request's name and group size
+  for (int r = 0; r < size_; ++r) {
+    if (state.manifests[r].empty()) continue;
+    ranks.push_back(r);
+    Request listed;
+    for (const std::string& name : state.manifests[r]) listed.name += (listed.name.empty() ? "'" : ", '") + name + "'";
+    listed.group_size = static_cast<int32_t>(state.manifests[r].size());
+    manifests.push_back(std::move(listed));
+  }
   std::vector<int> differing;
   std::string difference = DescribeDisagreement(ranks, manifests, [](const Request& m) {
     return std::to_string(m.group_size) + (m.group_size == 1 ? " tensor (" : " tensors (") + m.name + ")";
   }, &differing);
-  if (difference.empty()) {
-    state.size = state.manifests[ranks.front()].size();
-    return true;
-  }
   FailGroup(group, Status::Of(StatusCode::kMismatch, "", "", "members differ: " + difference, differing), ready);
   return false;
 }
