@@ -8,25 +8,56 @@ csrc/config.h), so every rank creates the same groups.
 """
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
 from ._native import _core
+from .exceptions import RankFailureError
 
 # Note [Process group timeout]: the engine only starts a data collective once negotiation has
 # shown every rank is ready, and an idle engine still joins a negotiation round every heartbeat,
-# so a collective waiting this long means a peer process is frozen, not slow.
+# so a collective waiting this long means a peer process is frozen, not slow, or unreachable: a
+# host whose link is cut sends nothing, not even a reset, so this timeout is how the others
+# notice it. HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS shortens it where that must be quicker.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _gloo_devices(loopback):
+    """Where Gloo listens and what it tells its peers.
+
+    GLOO_SOCKET_IFNAME (hvdliterun sets it from network discovery, Note [Network discovery] in
+    runner/task_service.py; users may set it themselves) names the interfaces, as it does for
+    torch.distributed's own Gloo groups. Without it, Gloo's default follows this host's name,
+    which on many machines resolves to an address other hosts cannot reach.
+    """
+    if loopback:
+        return [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=name) for name in names]
+    return [dist.ProcessGroupGloo.create_default_device()]
+
+
+def _timeout():
+    """Note [Process group timeout]; HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS shortens it."""
+    value = os.environ.get("HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS")
+    if not value:
+        return PROCESS_GROUP_TIMEOUT
+    try:
+        seconds = float(value)
+        if not seconds > 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"invalid HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS={value!r}: expected seconds > 0") from None
+    return datetime.timedelta(seconds=seconds)
 
 
 def _gloo_group(store, rank, size, loopback):
     options = dist.ProcessGroupGloo._Options()
-    options._timeout = PROCESS_GROUP_TIMEOUT
-    if loopback:
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    else:
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._timeout = _timeout()
+    options._devices = _gloo_devices(loopback)
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
@@ -34,7 +65,7 @@ def _nccl_group(store, rank, size):
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         return None
     options = dist.ProcessGroupNCCL.Options()
-    options._timeout = PROCESS_GROUP_TIMEOUT
+    options._timeout = _timeout()
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
@@ -46,9 +77,15 @@ def start_engine(context, tag, rank, size):
     store, prefix, loopback, settings = context
     base = f"{prefix}{tag}/"
     channels = _core._parse_config(settings)["cpu_channels"]
-    control = _gloo_group(dist.PrefixStore(base + "control", store), rank, size, loopback)
-    cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
-           for i in range(channels)]
-    cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
+    try:
+        control = _gloo_group(dist.PrefixStore(base + "control", store), rank, size, loopback)
+        cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
+               for i in range(channels)]
+        cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
+    except RuntimeError as exc:
+        hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
+                "other (hvdliterun finds one by itself)" if not loopback else "")
+        raise RankFailureError(f"hvdlite.init(): rank {rank} could not connect its process groups to "
+                               f"the other ranks: {exc}{hint}", op="init") from None
     engine = _core.Engine(control, cpu, cuda, rank, size, settings)
     return engine, (control, cpu, cuda)

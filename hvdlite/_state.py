@@ -82,13 +82,17 @@ def take():
     return state
 
 
-def explain(exc, state=None):
-    """Adds what is known about a lost peer to a RankFailureError (once per init)."""
+def explain(exc, state=None, engine=None):
+    """Adds what is known about a lost peer to a RankFailureError (once per init). A failure of
+    the global engine (`engine` None or the global one) runs the census of Note [Failure
+    census]; a process set's cannot, as ranks outside the set would not answer."""
     state = state or _state
     if not isinstance(exc, RankFailureError) or state is None or getattr(exc, "_explained", False):
         return exc
     if state.failure is None:
-        state.failure = _liveness.describe(state.peers, state.topology.rank, str(exc))
+        everyone = engine is None or engine is state.engine
+        state.failure = _liveness.describe(state.peers, state.topology.rank, str(exc),
+                                           state.store if everyone else None, state.prefix)
     text, ranks = state.failure
     if text:
         exc.args = (f"{exc.args[0]} ({text})",) + exc.args[1:]

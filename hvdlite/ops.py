@@ -165,7 +165,7 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
             core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale,
                                                   postscale, group, list(splits))
     except Exception as exc:
-        raise _state.explain(exc, state)
+        raise _state.explain(exc, state, runtime.engine)
     handle = next(state.handle_ids)
     state.handles[handle] = _Pending(runtime.engine, core_handles, finish)
     return handle
@@ -465,5 +465,5 @@ def synchronize(handle):
         else:  # one call, GIL released once, for a whole group
             outputs = pending.engine.wait_all(pending.core_handles)
     except Exception as exc:
-        raise _state.explain(exc, state)
+        raise _state.explain(exc, state, pending.engine)
     return pending.finish(outputs)

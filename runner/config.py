@@ -52,6 +52,7 @@ class CoreKnobs:
 class SshOptions:
     port: Optional[int] = None
     identity_file: Optional[str] = None
+    config_file: Optional[str] = None  # ssh -F
 
 
 @dataclass
@@ -62,7 +63,10 @@ class JobConfig:
     np: int
     hosts: Optional[List[Host]] = None
     ssh: SshOptions = field(default_factory=SshOptions)
-    network_interface: Optional[str] = None
+    network_interface: Optional[str] = None       # the rendezvous address only
+    network_interfaces: Optional[List[str]] = None  # skips discovery: the ranks' interfaces
+    discovery: bool = True                          # Note [Network discovery]
+    discovery_timeout: float = 60.0
     start_timeout: float = DEFAULT_START_TIMEOUT
     grace_period: float = DEFAULT_GRACE_PERIOD
     output_dir: Optional[str] = None

@@ -20,14 +20,23 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+SSH_LOST = 255  # ssh's own exit status: the connection to the host failed or was lost
+
+
 @dataclass(frozen=True)
 class RankExit:
     rank: int
     hostname: str
     returncode: int
+    remote: bool = False
+    host_says: str = ""  # the name the host gave itself, when it differs from `hostname`
 
     def describe(self) -> str:
-        return f"rank {self.rank} (host {self.hostname}) {describe_exit(self.returncode)}"
+        host = self.hostname if not self.host_says or self.host_says == self.hostname \
+            else f"{self.hostname} ({self.host_says})"
+        if self.remote and self.returncode == SSH_LOST:
+            return f"rank {self.rank} (host {host}) was lost: the ssh connection to {host} closed"
+        return f"rank {self.rank} (host {host}) {describe_exit(self.returncode)}"
 
 
 @dataclass
@@ -36,6 +45,7 @@ class JobResult:
 
     exits: List[RankExit] = field(default_factory=list)
     root_cause: Optional[RankExit] = None  # first rank to fail by itself
+    lost_contact: Optional[str] = None     # what the root cause said about peers it lost
     missing_ranks: List[int] = field(default_factory=list)  # never reached the rendezvous
     start_timeout: Optional[float] = None
     stopped_by_signal: Optional[int] = None
@@ -61,6 +71,9 @@ class JobResult:
         if self.launch_error is not None:
             return self.launch_error
         if self.root_cause is not None:
+            if self.lost_contact:
+                return (f"{self.root_cause.describe()} after it {self.lost_contact}; "
+                        f"the other ranks were stopped")
             return (f"{self.root_cause.describe()}: the first rank to fail; "
                     f"the other ranks were stopped")
         if self.missing_ranks:

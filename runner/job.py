@@ -19,6 +19,7 @@ import time
 from typing import IO, Dict, List, Mapping, Optional
 
 from .config import JobConfig
+from .discovery import DiscoveryError, NetworkPlan, discover, driver_addresses
 from .environment import Rendezvous, exportable, rank_environment
 from .errors import JobResult, RankExit
 from .hosts import Host, assign_slots
@@ -82,6 +83,25 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
     bind, addr = _rendezvous_binding(config, bool(remote_hosts),
                                      remote_hosts[0] if remote_hosts else None)
     server = RendezvousServer(new_secret(), host=bind, addr=addr).start()
+    cwd = config.cwd or os.getcwd()
+    network_env: Dict[str, str] = {}
+    distinct_hosts = list(dict.fromkeys(s.hostname for s in slots))
+    result = JobResult(start_timeout=config.start_timeout)
+    if config.network_interfaces:
+        network_env = NetworkPlan(config.network_interfaces, addr, 0.0, []).rank_env()
+    elif len(distinct_hosts) > 1 and config.discovery:
+        # Note [Network discovery] (task_service.py): before any rank starts.
+        try:
+            found = discover(distinct_hosts, is_local, server.port, server.secret,
+                             driver_addresses(prefer=[addr]), config.ssh, cwd, config.grace_period,
+                             config.discovery_timeout, log)
+        except DiscoveryError as exc:
+            server.stop()
+            result.launch_error = str(exc)
+            return result
+        network_env = found.rank_env()
+        if not config.network_interface:
+            addr = found.rendezvous_addr
     rank0_host = slots[0].hostname
     master_addr = addr if is_local[rank0_host] else rank0_host
     rdzv = Rendezvous(addr=addr, port=server.port, secret=server.secret,
@@ -91,11 +111,10 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
         f"MASTER_ADDR={rdzv.master_addr} MASTER_PORT={rdzv.master_port}")
 
     base_env = dict(os.environ if environ is None else environ)
+    base_env.update(network_env)
     base_env.update(config.extra_env)
     core_env = config.knobs.core_env()
-    cwd = config.cwd or os.getcwd()
     group = WorkerGroup(mux, config.grace_period)
-    result = JobResult(start_timeout=config.start_timeout)
 
     with _SignalWatch() as signals:
         try:
@@ -111,13 +130,26 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
                 group.stop(stop_sig, interrupted)
             mux.drain(timeout=5.0)
             server.stop()
-    result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode)
+    result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode, w.remote)
                     for w in group.workers() if w.returncode is not None]
     return result
 
 
 class _LaunchError(Exception):
     pass
+
+
+# Note [Letting ranks report]: after the first failure the others usually fail by themselves
+# within moments (a lost peer is seen within milliseconds, its census takes up to 2 s), and
+# their own errors, which say what they lost, are worth more than a SIGTERM's silence. So the
+# launcher waits this long for them to exit before stopping those still running.
+FAILURE_SETTLE_SECONDS = 3.0
+
+
+def _let_ranks_report(group: WorkerGroup) -> None:
+    deadline = time.monotonic() + FAILURE_SETTLE_SECONDS
+    while group.running() and time.monotonic() < deadline:
+        group.next_exit(timeout=0.05)
 
 
 def _start_ranks(config, group, slots, is_local, base_env, core_env, rdzv, cwd, log) -> None:
@@ -149,7 +181,10 @@ def _watch(config: JobConfig, group: WorkerGroup, server: RendezvousServer,
             rank, code = event
             if code != 0:
                 worker = group.worker(rank)
-                result.root_cause = RankExit(rank, worker.slot.hostname, code)
+                result.root_cause = RankExit(rank, worker.slot.hostname, code, worker.remote,
+                                             server.rank_host(rank) or "")
+                _let_ranks_report(group)
+                result.lost_contact = server.lost_contact(rank)
                 return
         if start_deadline is not None and time.monotonic() >= start_deadline:
             start_deadline = None  # checked once; see Note [Start timeout]

@@ -28,7 +28,13 @@ environment forwarded.
 
 When a rank exits with a non-zero code, the other ranks get SIGTERM, then SIGKILL after a
 grace period, and hvdliterun prints the rank, its host and exit code and exits with that code.
-Ctrl-C or SIGTERM to hvdliterun stops every rank, local and remote."""
+Ctrl-C or SIGTERM to hvdliterun stops every rank, local and remote; if hvdliterun itself is
+killed, every rank stops within seconds.
+
+On more than one host, hvdliterun first runs network discovery: a small task on every host
+lists its interfaces and probes the others, and the ranks then use only interfaces through
+which every host reaches every other host (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), with the
+rendezvous on an address every host reaches. --network-interfaces chooses them instead."""
 
 EPILOG = """\
 examples:
@@ -142,7 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "DIR/rank.N/stdout and DIR/rank.N/stderr")
     job.add_argument("--network-interface", metavar="IFACE",
                      help="serve the rendezvous on this interface's IPv4 address "
-                          "(default: 127.0.0.1 for local jobs, all interfaces otherwise)")
+                          "(default: 127.0.0.1 for local jobs; on many hosts, what network "
+                          "discovery finds)")
+    job.add_argument("--network-interfaces", metavar="IF1,IF2",
+                     help="on many hosts: the interfaces ranks use to reach each other "
+                          "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), instead of network discovery")
+    job.add_argument("--no-network-discovery", action="store_true",
+                     help="on many hosts: skip network discovery and leave the choice of "
+                          "interfaces to Gloo and NCCL's defaults")
     job.add_argument("--verbose", action="store_true",
                      help="log what the launcher does and set HVDLITE_LOG_LEVEL=debug")
     job.add_argument("--check-build", action="store_true",
@@ -152,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     ssh = p.add_argument_group("ssh (for hosts other than this one)")
     ssh.add_argument("-p", "--ssh-port", type=_port, metavar="PORT", help="ssh port")
     ssh.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
+    ssh.add_argument("--ssh-config-file", metavar="FILE",
+                     help="ssh configuration file (ssh -F), e.g. for keys and known hosts")
 
     core = p.add_argument_group("hvdlite core settings (become HVDLITE_* variables)")
     core.add_argument("--fusion-threshold-mb", type=_positive_float, metavar="MB",
@@ -216,8 +231,15 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
                              f"slots of {listing}")
     except HostSpecError as exc:
         raise UsageError(str(exc)) from None
-    if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
-        raise UsageError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
+    for flag, path in (("--ssh-identity-file", args.ssh_identity_file),
+                       ("--ssh-config-file", args.ssh_config_file)):
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{flag} {path}: no such file")
+    interfaces = None
+    if args.network_interfaces is not None:
+        interfaces = [name.strip() for name in args.network_interfaces.split(",") if name.strip()]
+        if not interfaces:
+            raise UsageError("--network-interfaces needs at least one interface name")
 
     knobs = CoreKnobs(
         fusion_threshold_mb=args.fusion_threshold_mb,
@@ -232,8 +254,10 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
     )
     config = JobConfig(
         command=command, np=np, hosts=hosts,
-        ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file),
-        network_interface=args.network_interface, start_timeout=args.start_timeout,
+        ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file,
+                       config_file=args.ssh_config_file),
+        network_interface=args.network_interface, network_interfaces=interfaces,
+        discovery=not args.no_network_discovery, start_timeout=args.start_timeout,
         grace_period=args.grace_period, output_dir=args.output_filename, knobs=knobs,
         verbose=args.verbose,
     )

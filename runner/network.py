@@ -2,39 +2,10 @@
 
 Used by the launcher's main thread only; no state.
 """
-import fcntl
 import socket
-import struct
-from typing import List, Optional, Set
+from typing import Optional, Set
 
-_SIOCGIFADDR = 0x8915
-
-
-class NetworkError(ValueError):
-    """An interface that does not exist or has no IPv4 address."""
-
-
-def interface_names() -> List[str]:
-    try:
-        return [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return []
-
-
-def interface_address(name: str) -> str:
-    """The IPv4 address of interface `name` (SIOCGIFADDR)."""
-    if not name or len(name) >= 16:
-        raise NetworkError(f"bad network interface name {name!r}")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR,
-                                 struct.pack("256s", name.encode()))
-        except OSError:
-            known = ", ".join(interface_names()) or "none found"
-            raise NetworkError(f"network interface {name!r} does not exist or has no IPv4 "
-                               f"address (interfaces: {known})") from None
-    return socket.inet_ntoa(packed[20:24])
-
+from hvdlite._netif import NetworkError, interface_address, interface_names  # noqa: F401
 
 def local_addresses() -> Set[str]:
     """Every IPv4 address of this machine's interfaces, plus what its host name resolves to."""

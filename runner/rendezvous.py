@@ -13,6 +13,7 @@ blocked in `get` never stops another thread of the same process from `set`-ting 
 for.
 """
 import hmac
+import json
 import os
 import socket
 import threading
@@ -54,6 +55,10 @@ class _KeyTable:
                 return False
             self._lock.wait(timeout=remaining if remaining is not None else 1.0)
         return True
+
+    def items_ending(self, suffix: bytes) -> Dict[bytes, bytes]:
+        with self._lock:
+            return {k: v for k, v in self._data.items() if k.endswith(suffix)}
 
     def handle(self, op: bytes, args: List[bytes]) -> List[bytes]:
         with self._lock:
@@ -171,6 +176,25 @@ class RendezvousServer:
         """Ranks that have authenticated at least once."""
         with self._state_lock:
             return set(self._arrived)
+
+    def lost_contact(self, rank: int) -> Optional[str]:
+        """What `rank` published before failing when it lost contact with peers (Note [Failure
+        census] in hvdlite/_liveness.py), newest generation first; None if nothing."""
+        found = self._table.items_ending(f"/lost/{rank}".encode())
+        if not found:
+            return None
+        newest = max(found, key=lambda k: int(k.split(b"/")[1]) if k.split(b"/")[1].isdigit() else -1)
+        return found[newest].decode(errors="replace")
+
+    def rank_host(self, rank: int) -> Optional[str]:
+        """The host name `rank` published at hvd.init() (hvdlite/_liveness.py), if any."""
+        found = self._table.items_ending(f"/proc/{rank}".encode())
+        for _, value in sorted(found.items(), reverse=True):
+            try:
+                return json.loads(value).get("host")
+            except ValueError:
+                continue
+        return None
 
     @property
     def refused_connections(self) -> int:

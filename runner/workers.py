@@ -13,10 +13,21 @@ So the remote side runs the rank under a small POSIX sh wrapper (REMOTE_WRAPPER)
 in the background in its own session (setsid, when the host has it) with stdin from /dev/null,
 while a watcher reads the ssh connection's stdin, which the launcher keeps open and never
 writes. When the launcher closes it, or ssh dies, or the connection drops, the watcher sees end
-of file and sends SIGTERM to the rank's process group, then SIGKILL after the grace period.
+of file and sends SIGTERM to the rank's process group, then SIGKILL if the rank is still there
+after the grace period (checked every 0.1 s, so nothing of the wrapper outlives the rank by
+more than that).
 `set -m` would be the obvious way to get a process group, but without a terminal dash refuses
 it; and a non-interactive shell gives background jobs /dev/null as stdin, hence fd 3.
+
+Note [Launcher death]
+The launcher can die without stopping anything (SIGKILL, the machine's OOM killer). Its
+children run in sessions of their own, so nothing would reach them. So every child (a local
+rank, the ssh client of a remote rank, a discovery task) asks the kernel for SIGKILL when the
+launcher goes (prctl PR_SET_PDEATHSIG, set between fork and exec). A killed ssh client closes
+its connection, and the remote wrapper then stops the remote rank (Note [Stopping remote
+ranks]).
 """
+import ctypes
 import os
 import queue
 import shlex
@@ -36,7 +47,8 @@ if command -v setsid >/dev/null 2>&1; then setsid "$@" 3<&- & else "$@" 3<&- & f
 rank_pid=$!
 {{ while read -r _; do :; done
   kill -TERM -$rank_pid || kill -TERM $rank_pid
-  sleep {grace}
+  ticks=0
+  while kill -0 $rank_pid && [ $ticks -lt {ticks} ]; do sleep 0.1; ticks=$((ticks + 1)); done
   kill -KILL -$rank_pid || kill -KILL $rank_pid
 }} <&3 >/dev/null 2>&1 &
 watcher_pid=$!
@@ -47,16 +59,32 @@ kill $watcher_pid 2>/dev/null
 exit $rc"""
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGKILL when the launcher dies (Note
+    [Launcher death]). Linux only; elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def ssh_command(host: str, command: Sequence[str], env: Mapping[str, str], cwd: str,
                 options: SshOptions, grace_period: float) -> List[str]:
     """The local argv that runs `command` on `host` in `cwd` with `env` exported."""
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no"]
+    argv = ["ssh"]
+    if options.config_file is not None:
+        argv += ["-F", options.config_file]
+    argv += ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no"]
     if options.port is not None:
         argv += ["-p", str(options.port)]
     if options.identity_file is not None:
         argv += ["-i", options.identity_file]
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    wrapper = REMOTE_WRAPPER.format(grace=max(1, int(round(grace_period))))
+    wrapper = REMOTE_WRAPPER.format(ticks=max(1, int(round(grace_period * 10))))
     remote = (f"cd {shlex.quote(cwd)} && exec env {exports} /bin/sh -c {shlex.quote(wrapper)} "
               f"hvdlite-rank {' '.join(shlex.quote(a) for a in command)}")
     return argv + [host, remote]
@@ -84,7 +112,8 @@ class WorkerGroup:
                     cwd: str) -> None:
         process = subprocess.Popen(list(command), env=dict(env), cwd=cwd,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True)
+                                   stderr=subprocess.PIPE, start_new_session=True,
+                                   preexec_fn=stop_with_parent)
         self._track(Worker(slot, process, remote=False))
 
     def start_remote(self, slot: SlotInfo, command: Sequence[str], env: Mapping[str, str],
@@ -93,7 +122,8 @@ class WorkerGroup:
         # stdin stays open and unused: closing it stops the remote rank (Note [Stopping
         # remote ranks]).
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True)
+                                   stderr=subprocess.PIPE, start_new_session=True,
+                                   preexec_fn=stop_with_parent)
         self._track(Worker(slot, process, remote=True))
 
     def _track(self, worker: Worker) -> None:

@@ -1,10 +1,10 @@
-"""Remote ranks through ssh.
+"""The ssh command lines of remote ranks, recorded by a stand-in.
 
-This machine has no sshd (and tests must not install one), so a fake `ssh` first on PATH
-stands in: it records its arguments and runs the remote command locally in a new session, as
-sshd would (without a terminal, in the login shell, detached from the launcher's process
-group). What is checked: the ssh options, the host, the exported environment, the working
-directory, and that stopping the job stops the "remote" ranks.
+A fake `ssh` first on PATH records its arguments and runs the remote command locally in a new
+session, as sshd would (without a terminal, detached from the launcher's process group). What
+is checked: the ssh options, the host, the exported environment, the working directory, and
+that stopping the job stops the "remote" ranks. Jobs across real hosts (network namespaces
+with real sshd) are in tests/multihost.
 """
 import json
 import os
@@ -86,18 +86,22 @@ def test_launch_remote_ranks_via_ssh_get_options_environment_and_cwd(hvdliterun,
         assert e["cwd"] == str(tmp_path)
         assert e["MASTER_ADDR"] != "127.0.0.1"  # remote ranks must be able to reach it
 
-    recorded = calls()
+    everything = calls()
+    discovery = [args for args in everything if b"hvdlite.runner.task_service" in args[-1]]
+    recorded = [args for args in everything if args not in discovery]
     assert len(recorded) == 3  # one ssh per remote rank, none for localhost
-    hosts = sorted(args[-2].decode() for args in recorded)
-    assert hosts == ["node-a", "node-a", "node-b"]
-    for args in recorded:
+    assert sorted(args[-2].decode() for args in recorded) == ["node-a", "node-a", "node-b"]
+    # network discovery ran one task on each remote host first, with the same ssh options
+    assert sorted(args[-2].decode() for args in discovery) == ["node-a", "node-b"]
+    for args in everything:
         text = [a.decode() for a in args]
         assert text[text.index("-p") + 1] == "2222"
         assert text[text.index("-i") + 1] == str(key)
         assert "BatchMode=yes" in text and "StrictHostKeyChecking=no" in text
         remote = text[-1]
         assert remote.startswith(f"cd {tmp_path} && ")
-        assert "HVDLITE_RANK=" in remote and "REMOTE_TEST_VAR=" in remote
+        assert "REMOTE_TEST_VAR=" in remote  # the environment is forwarded to both
+        assert ("HVDLITE_RANK=" in remote) == (args in recorded)
         # Variables that describe the launching machine stay behind.
         assert not re.search(r"(^| )(HOSTNAME|PWD|SHLVL|SSH_[A-Z_]*|DISPLAY)=", remote)
 

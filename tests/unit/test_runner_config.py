@@ -38,6 +38,15 @@ def test_parse_config_core_knobs_become_variables():
     }
 
 
+def test_parse_config_network_and_ssh_config_flags():
+    config, _ = parse_config(["-H", "a:1,b:1", "--ssh-config-file", __file__, "x"])
+    assert config.ssh.config_file == __file__ and config.discovery and config.network_interfaces is None
+    config, _ = parse_config(["-H", "a:1,b:1", "--network-interfaces", "eth0, ib0", "x"])
+    assert config.network_interfaces == ["eth0", "ib0"]
+    config, _ = parse_config(["-H", "a:1,b:1", "--no-network-discovery", "x"])
+    assert not config.discovery
+
+
 def test_parse_config_check_build_needs_no_command():
     config, args = parse_config(["--check-build"])
     assert config is None and args.check_build
@@ -47,7 +56,9 @@ def test_parse_config_check_build_needs_no_command():
                                   ["-np", "3", "-H", "a:1", "c"], ["-H", "a:b", "c"],
                                   ["-np", "1", "-i", "/no/such/key", "c"],
                                   ["-np", "1", "--start-timeout", "0", "c"],
-                                  ["-np", "1", "--cycle-time-ms", "nan", "c"]])
+                                  ["-np", "1", "--cycle-time-ms", "nan", "c"],
+                                  ["-np", "1", "--ssh-config-file", "/no/such/config", "c"],
+                                  ["-np", "1", "--network-interfaces", " , ", "c"]])
 def test_parse_config_bad_command_lines_raise_usage_error(argv):
     with pytest.raises(UsageError):
         parse_config(argv)

@@ -28,3 +28,41 @@ def test_local_host_detector_other_hosts_are_remote():
 def test_free_port_avoids_given_ports():
     first = free_port()
     assert free_port(avoid={first}) != first
+
+
+# ---- network discovery's choice (runner/discovery.py: plan) ---------------------------------
+
+from hvdlite.runner.discovery import DiscoveryError, plan  # noqa: E402
+
+
+def _info(hostname, interfaces, reached):
+    return {"hostname": hostname, "interfaces": interfaces, "driver_reached": reached}
+
+
+def test_plan_keeps_interfaces_every_host_reaches_every_host_through():
+    infos = {0: _info("a", {"dcy0": ["10.9.1.2"], "eth0": ["10.0.0.11"], "ib0": ["10.1.0.11"]}, ["10.0.0.1"]),
+             1: _info("b", {"dcy0": ["10.9.2.2"], "eth0": ["10.0.0.12"], "ib0": ["10.1.0.12"]}, ["10.0.0.1", "10.5.0.1"])}
+    probes = {0: {"1": [["dcy0", "10.9.2.2", False], ["eth0", "10.0.0.12", True], ["ib0", "10.1.0.12", True]]},
+              1: {"0": [["dcy0", "10.9.1.2", False], ["eth0", "10.0.0.11", True], ["ib0", "10.1.0.11", False]]}}
+    result = plan(["a", "b"], probes, infos, ["10.5.0.1", "10.0.0.1"])
+    assert result.interfaces == ["eth0"]  # ib0 works one way only
+    assert result.rendezvous_addr == "10.0.0.1"  # the only address both reached
+    assert result.rank_env() == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert "b reaches a through eth0 (tried dcy0 10.9.1.2, eth0 10.0.0.11, ib0 10.1.0.11)" in result.report
+
+
+def test_plan_with_no_common_interface_names_hosts_and_interfaces():
+    infos = {0: _info("a", {"eth0": ["10.0.0.11"]}, ["10.0.0.1"]),
+             1: _info("b", {"ens5": ["10.0.0.12"]}, ["10.0.0.1"])}
+    probes = {0: {"1": [["ens5", "10.0.0.12", True]]}, 1: {"0": [["eth0", "10.0.0.11", True]]}}
+    with pytest.raises(DiscoveryError, match=r"no network interface reaches every host from every host: "
+                                             r"a reaches b through ens5 .*; b reaches a through eth0"):
+        plan(["a", "b"], probes, infos, ["10.0.0.1"])
+
+
+def test_plan_with_no_launcher_address_every_host_reaches():
+    infos = {0: _info("a", {"eth0": ["10.0.0.11"]}, ["10.0.0.1"]),
+             1: _info("b", {"eth0": ["10.0.0.12"]}, ["10.7.0.1"])}
+    probes = {0: {"1": [["eth0", "10.0.0.12", True]]}, 1: {"0": [["eth0", "10.0.0.11", True]]}}
+    with pytest.raises(DiscoveryError, match="no address of this launcher is reachable from every host"):
+        plan(["a", "b"], probes, infos, ["10.0.0.1", "10.7.0.1"])

@@ -1,0 +1,141 @@
+"""The task that network discovery runs on every host of a job (python -m hvdlite.runner.task_service).
+
+Note [Network discovery]
+Before ranks start on more than one host, the launcher (the driver, discovery.py) starts this
+task on every host, over the same ssh as the ranks (locally for its own host), with the job's
+secret. The task
+  1. lists its host's interfaces and IPv4 addresses (loopback left out);
+  2. tries every address the driver listed for itself, and talks to the driver's rendezvous
+     store through the first it reaches, reporting which ones it reached;
+  3. listens on one port on every address and publishes its interfaces and that port;
+  4. once every task has published, probes every other task on every address it listed: a
+     TCP connection, then a challenge the peer answers with an HMAC of the job's secret and
+     its own index, so a reply from some other program on that address does not count;
+  5. publishes what it reached, keeps answering probes until the driver says done, and exits.
+The driver keeps the interface names through which every host reached every other host. Keys
+live under `discovery/` in the job's store; the store's secret protects them. No torch.
+"""
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from typing import Dict, List
+
+from hvdlite._netif import interface_addresses
+from hvdlite._rendezvous_wire import RendezvousClient, RendezvousError
+
+PROBE_TIMEOUT = 2.0
+_CHALLENGE = 16
+
+
+def interfaces() -> Dict[str, List[str]]:
+    """Interface name -> its IPv4 addresses, loopback left out."""
+    return {name: [addr] for name, addr in interface_addresses().items() if not addr.startswith("127.")}
+
+
+def _proof(secret: str, challenge: bytes, index: int) -> bytes:
+    return hmac.new(secret.encode(), challenge + b"|" + str(index).encode(), hashlib.sha256).digest()
+
+
+def _serve(listener: socket.socket, secret: str, index: int) -> None:
+    """Answers probes: reads a challenge, sends this task's index and proof."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        try:
+            conn.settimeout(PROBE_TIMEOUT)
+            challenge = b""
+            while len(challenge) < _CHALLENGE:
+                chunk = conn.recv(_CHALLENGE - len(challenge))
+                if not chunk:
+                    break
+                challenge += chunk
+            if len(challenge) == _CHALLENGE:
+                conn.sendall(str(index).encode().rjust(8) + _proof(secret, challenge, index))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+def probe(addr: str, port: int, secret: str, index: int) -> bool:
+    """True if the task with `index` answers at addr:port."""
+    challenge = secrets.token_bytes(_CHALLENGE)
+    try:
+        with socket.create_connection((addr, port), timeout=PROBE_TIMEOUT) as sock:
+            sock.settimeout(PROBE_TIMEOUT)
+            sock.sendall(challenge)
+            reply = b""
+            while len(reply) < 8 + 32:
+                chunk = sock.recv(8 + 32 - len(reply))
+                if not chunk:
+                    return False
+                reply += chunk
+    except OSError:
+        return False
+    return reply[:8].strip() == str(index).encode() and hmac.compare_digest(
+        reply[8:], _proof(secret, challenge, index))
+
+
+def reach_driver(addrs: List[str], port: int, secret: str):
+    """(client through the first reachable driver address, every address reached)."""
+    reached = []
+    for addr in addrs:
+        try:
+            with socket.create_connection((addr, port), timeout=PROBE_TIMEOUT):
+                reached.append(addr)
+        except OSError:
+            continue
+    if not reached:
+        return None, reached
+    return RendezvousClient(reached[0], port, secret, connect_timeout=10.0), reached
+
+
+def main() -> int:
+    env = os.environ
+    secret = env["HVDLITE_TASK_SECRET"]
+    index, count = int(env["HVDLITE_TASK_INDEX"]), int(env["HVDLITE_TASK_COUNT"])
+    port = int(env["HVDLITE_TASK_DRIVER_PORT"])
+    timeout_ms = int(float(env.get("HVDLITE_TASK_TIMEOUT", "60")) * 1000)
+    client, reached = reach_driver(env["HVDLITE_TASK_DRIVER_ADDRS"].split(","), port, secret)
+    if client is None:
+        print(f"hvdlite discovery task on {socket.gethostname()}: cannot reach the launcher at any of "
+              f"{env['HVDLITE_TASK_DRIVER_ADDRS']} port {port}", file=sys.stderr, flush=True)
+        return 3
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(64)
+    threading.Thread(target=_serve, args=(listener, secret, index), daemon=True).start()
+    mine = {"hostname": socket.gethostname(), "interfaces": interfaces(),
+            "port": listener.getsockname()[1], "driver_reached": reached}
+    key = lambda *parts: "/".join(("discovery",) + tuple(str(p) for p in parts)).encode()  # noqa: E731
+    client.call(b"SET", [key(index, "info"), json.dumps(mine).encode()])
+    started = time.monotonic()
+    results = {}
+    for other in range(count):
+        if other == index:
+            continue
+        info = json.loads(client.call(b"GET", [key(other, "info"), str(timeout_ms).encode()], timeout_ms)[0])
+        results[other] = [[name, addr, probe(addr, info["port"], secret, other)]
+                          for name, addrs in info["interfaces"].items() for addr in addrs]
+    client.call(b"SET", [key(index, "probes"), json.dumps(
+        {"results": results, "seconds": time.monotonic() - started}).encode()])
+    try:  # keep answering the others' probes until the driver has what it needs
+        client.call(b"GET", [key("done"), str(timeout_ms).encode()], timeout_ms)
+    except RendezvousError:
+        pass
+    listener.close()
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
