@@ -271,9 +271,16 @@ class TestHosts:
         _ip("-n", self.ns[name], "link", "set", "eth0", "down")
 
     def shape(self, rate="1gbit", delay="0.5ms"):
-        """Shapes every host's link (egress, both directions through the bridge)."""
-        for i, name in enumerate(self.names):
-            _ip("-n", self.ns[name], "link")  # exists
-            _sh("ip", "netns", "exec", self.ns[name], "tc", "qdisc", "replace", "dev", "eth0", "root",
-                "netem", "delay", delay, "rate", rate)
-            _sh("tc", "qdisc", "replace", "dev", f"{PREFIX}-b{i}", "root", "netem", "delay", delay, "rate", rate)
+        """Shapes every host's link in both directions (a host's egress, and the bridge port's
+        egress towards it). Returns what was applied: netem (rate and one-way delay) where the
+        kernel has it, else tbf (rate only; the delay is then left out and said so)."""
+        devices = [(["ip", "netns", "exec", self.ns[name]], "eth0") for name in self.names]
+        devices += [([], f"{PREFIX}-b{i}") for i in range(len(self.names))]
+        netem = ["netem", "delay", delay, "rate", rate]
+        tbf = ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+        probe = _sh(*devices[0][0], "tc", "qdisc", "replace", "dev", devices[0][1], "root", *netem, check=False)
+        qdisc, applied = (netem, f"{rate}, {delay} one-way delay (netem)") if probe.returncode == 0 else \
+            (tbf, f"{rate} (tbf; this kernel has no netem, so no added delay)")
+        for prefix, dev in devices:
+            _sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc)
+        return applied
