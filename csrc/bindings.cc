@@ -191,7 +191,7 @@ PYBIND11_MODULE(_core, m) {
              return results;
            },
            py::call_guard<py::gil_scoped_release>())
-      .def("shutdown", &Engine::Shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &Engine::Shutdown, py::arg("reason") = "", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("fusion_threshold_bytes",

@@ -136,7 +136,11 @@ Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* au
   return Status::Ok();
 }
 
-void Engine::Shutdown() {
+void Engine::Shutdown(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(shutdown_mu_);
+    if (!shutdown_requested_ && shutdown_reason_.empty()) shutdown_reason_ = reason;
+  }
   shutdown_requested_ = true;
   queue_.Wake();
   if (thread_.joinable()) thread_.join();
@@ -240,7 +244,11 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   mine.clock_ms = NowMs();
   mine.settings_digest = settings_digest_;
   mine.state_digest = controller_.Digest();
-  if (shutdown_requested_) mine.flags |= kFlagShutdown;
+  if (shutdown_requested_) {
+    mine.flags |= kFlagShutdown;
+    std::lock_guard<std::mutex> lock(shutdown_mu_);
+    mine.shutdown_reason = shutdown_reason_;
+  }
   mine.requests = queue_.TakeNewRequests();
   if (!mine.requests.empty() || queue_.HasInFlight()) mine.flags |= kFlagHasOutstanding;
   if (tuner_) {
@@ -259,6 +267,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   }
   std::vector<RankMessage> messages(size_);
   std::vector<int> shutting_down;
+  std::string why;  // the shutting-down ranks' reasons, as the others will read them
   for (int r = 0; r < size_; ++r) {
     Status status = DecodeRankMessage(
         raw[r].data(), raw[r].size(), &messages[r],
@@ -269,7 +278,13 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
                       {r}));
       return false;
     }
-    if (messages[r].flags & kFlagShutdown) shutting_down.push_back(r);
+    if (messages[r].flags & kFlagShutdown) {
+      shutting_down.push_back(r);
+      if (!messages[r].shutdown_reason.empty()) {
+        why += (why.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ", which is " +
+               messages[r].shutdown_reason;
+      }
+    }
   }
   if (messages.front().flags & kFlagTuned) params_ = messages.front().tuned;  // Note [Autotune]
   const auto t1 = Clock::now();
@@ -302,7 +317,9 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   }
   if (round.shutdown) {
     Stop(Status::Of(StatusCode::kShutdown, "", "",
-                    "hvdlite was shut down (requested by " + RanksString(shutting_down) + ")", shutting_down));
+                    why.empty() ? "hvdlite was shut down (requested by " + RanksString(shutting_down) + ")"
+                                : "hvdlite was shut down by " + why,
+                    shutting_down));
     return false;
   }
   *stuck = round.quiet && round.all_outstanding;

@@ -51,6 +51,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,8 +98,9 @@ class Engine {
   Status Poll(int64_t handle, bool* done);
   // `aux`: alltoall's received splits, join's last rank (else empty).
   Status Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux);
-  // Blocks until the background thread has stopped; idempotent.
-  void Shutdown();
+  // Blocks until the background thread has stopped; idempotent. `reason` travels to the other
+  // ranks, whose pending operations then fail quoting it ("exiting after RuntimeError: ...").
+  void Shutdown(const std::string& reason = "");
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -136,6 +138,8 @@ class Engine {
   TunedParams params_;                // in effect this round: rank 0's (Note [Autotune])
   std::unique_ptr<Autotuner> tuner_;  // rank 0 with HVDLITE_AUTOTUNE=1 only
   std::atomic<bool> shutdown_requested_{false};
+  std::mutex shutdown_mu_;
+  std::string shutdown_reason_;  // under shutdown_mu_; set before shutdown_requested_
   std::atomic<int64_t> name_counter_{0};
   std::thread thread_;
 };

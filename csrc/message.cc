@@ -15,6 +15,7 @@ constexpr uint8_t kTagFull = 0;
 constexpr uint8_t kTagCached = 1;         // cache id only: the common case in a training loop
 constexpr uint8_t kTagCachedInline = 2;   // cache id plus inline payload
 constexpr uint32_t kMaxRequests = 1u << 24;
+constexpr uint32_t kMaxReasonBytes = 4096;
 
 class Writer {
  public:
@@ -155,6 +156,7 @@ std::string EncodeRankMessage(const RankMessage& message, const CacheLookup& loo
     out.Put<int64_t>(message.tuned.fusion_threshold_bytes);
     out.Put<double>(message.tuned.cycle_time_ms);
   }
+  if (message.flags & kFlagShutdown) out.PutString(message.shutdown_reason);
   out.Put<uint32_t>(static_cast<uint32_t>(message.requests.size()));
   for (const Request& r : message.requests) {
     const int32_t id = lookup ? lookup(r) : -1;
@@ -197,7 +199,9 @@ Status DecodeRankMessage(const char* data, size_t size, RankMessage* out,
   };
   if (!in.Get(&magic) || magic != kMagic || !in.Get(&message.settings_digest) ||
       !in.Get(&message.state_digest) || !in.Get(&message.flags) ||
-      !in.Get(&message.clock_ms) || !read_tuned() || !in.Get(&count) || count > kMaxRequests) {
+      !in.Get(&message.clock_ms) || !read_tuned() ||
+      ((message.flags & kFlagShutdown) && !in.GetString(&message.shutdown_reason, kMaxReasonBytes)) ||
+      !in.Get(&count) || count > kMaxRequests) {
     return Status(StatusCode::kInternal, "malformed control message header (" +
                                              std::to_string(size) + " bytes)");
   }

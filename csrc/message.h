@@ -57,7 +57,7 @@ enum RankMessageFlags : uint32_t {
 
 // Note [Protocol version]: the first four bytes of every control message; ranks running
 // builds that speak different protocols are refused at hvd.init(), before any round.
-constexpr uint32_t kProtocolVersion = 2;
+constexpr uint32_t kProtocolVersion = 3;
 
 struct RankMessage {
   uint32_t flags = 0;
@@ -67,6 +67,9 @@ struct RankMessage {
   uint64_t state_digest = 0;
   int64_t clock_ms = 0;  // the sender's monotonic clock; rank 0's is the job's clock for stalls
   TunedParams tuned;     // with kFlagTuned (Note [Autotune] in autotune.h)
+  // With kFlagShutdown: why this rank shuts down, e.g. "exiting after RuntimeError: ..." (may
+  // be empty); the others' errors quote it (Note [Failure reports] in hvdlite/_failure.py).
+  std::string shutdown_reason;
   std::vector<Request> requests;
 };
 

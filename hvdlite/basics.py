@@ -21,7 +21,7 @@ import socket
 
 import torch.distributed as dist
 
-from . import _environment, _groups, _liveness, _settings, _state
+from . import _environment, _failure, _groups, _liveness, _settings, _state
 
 
 _RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
@@ -92,6 +92,7 @@ def init(comm=None, process_sets=None):
     if comm is not None:
         raise ValueError("hvdlite.init(): comm= (an MPI communicator) is not supported; "
                          "hvdlite reads the launcher's environment instead")
+    _failure.install()  # Note [Failure reports]: from here on, an uncaught exception is reported
     with _state.lock:
         if _state.peek() is not None:
             return
@@ -118,7 +119,7 @@ def init(comm=None, process_sets=None):
         if not _atexit_registered:
             # Exiting with work in flight and no shutdown aborted the process in 8 of 20 runs
             # ("terminate called without an active exception"); shutting down at exit fixed it.
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _atexit_registered = True
     if process_sets:
         from .process_sets import add_process_set
@@ -134,13 +135,22 @@ def shutdown():
 
     Operations still pending fail with ``ShutdownError``. Safe to call more than once.
     """
+    _shutdown("")
+
+
+def _shutdown_at_exit():
+    # Note [Failure reports]: the others' errors will say why this rank went.
+    _shutdown(_failure.exit_reason())
+
+
+def _shutdown(reason):
     with _state.lock:
         state = _state.take()
     if state is not None:
         # Process sets first: their engines negotiate shutdown among their members only.
         for set_id in sorted(state.sets, reverse=True):
             if state.sets[set_id].engine is not None:
-                state.sets[set_id].engine.shutdown()
+                state.sets[set_id].engine.shutdown(reason)
 
 
 def is_initialized():

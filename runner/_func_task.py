@@ -33,6 +33,8 @@ def main(workdir: str) -> int:
         outcome = ("ok", fn(*args, **kwargs))
         code = 0
     except BaseException as exc:  # noqa: B902 - the caller gets it, whatever it is
+        from hvdlite import _failure  # Note [Failure reports]: as an uncaught exception would be
+        _failure.report(exc)
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         outcome = ("error", {"summary": summary, "traceback": traceback.format_exc()})
         traceback.print_exc()

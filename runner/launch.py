@@ -288,7 +288,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _usage_error(str(exc))
     message = result.message()
     if message:
-        sys.stderr.write(f"{PROG}: error: {message}\n")
+        first, *more = message.split("\n")
+        sys.stderr.write(f"{PROG}: error: {first}\n" + "".join(f"{PROG}: {line}\n" for line in more))
         sys.stderr.flush()
     return result.exit_code
 

@@ -186,6 +186,18 @@ class RendezvousServer:
         newest = max(found, key=lambda k: int(k.split(b"/")[1]) if k.split(b"/")[1].isdigit() else -1)
         return found[newest].decode(errors="replace")
 
+    def failure_records(self) -> Dict[int, dict]:
+        """Every rank's failure report (Note [Failure reports] in hvdlite/_failure.py)."""
+        records = {}
+        for key, value in self._table.items_ending(b"").items():
+            if key.startswith(b"failures/"):
+                try:
+                    record = json.loads(value)
+                    records[int(record["rank"])] = record
+                except (ValueError, KeyError, TypeError):
+                    continue
+        return records
+
     def rank_host(self, rank: int) -> Optional[str]:
         """The host name `rank` published at hvd.init() (hvdlite/_liveness.py), if any."""
         found = self._table.items_ending(f"/proc/{rank}".encode())

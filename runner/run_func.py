@@ -78,15 +78,17 @@ def _read_result(workdir: str, rank: int) -> Any:
 
 
 def _failure(result: JobResult, workdir: str) -> RankFailedError:
-    cause = result.root_cause
-    if cause is None:
+    """The exception run() raises: the root cause's summary (Note [Root cause] in errors.py)
+    and that rank's traceback."""
+    ranks = result.cause_ranks() if result.root_cause is not None else []
+    if not ranks:
         return RankFailedError(f"hvdlite.runner.run: {result.message()}", result=result)
     detail = ""
-    path = os.path.join(workdir, f"result.{cause.rank}.pkl")
+    path = os.path.join(workdir, f"result.{ranks[0]}.pkl")
     if os.path.exists(path):
         with open(path, "rb") as f:
             status, value = pickle.load(f)
         if status == "error":
-            detail = f": {value['summary']}\n\n{value['traceback']}"
-    return RankFailedError(f"hvdlite.runner.run: {cause.describe()}{detail}",
-                           rank=cause.rank, result=result)
+            detail = f"\n\n{value['traceback']}"
+    return RankFailedError(f"hvdlite.runner.run: {result.message()}{detail}", rank=ranks[0],
+                           result=result)

@@ -30,7 +30,7 @@ def test_launch_failing_rank_stops_others_and_is_named(hvdliterun):
     assert elapsed < 10, f"the sleeping ranks were not stopped promptly ({elapsed:.1f} s)"
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("hvdliterun: error: rank 1 (host ")
-    assert "exited with code 3" in last and "first rank to fail" in last
+    assert "failed first: it exited with code 3 without an exception" in last
     assert "[1]<stderr>: rank 1 gives up" in proc.stderr
     # The ranks stopped afterwards are consequences, not causes.
     assert "rank 0" not in last and "rank 2" not in last
