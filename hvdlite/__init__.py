@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # basics
     **dict.fromkeys(
-        ["cross_rank", "cross_size", "gloo_built", "gloo_enabled", "init", "is_homogeneous",
+        ["ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+         "gloo_enabled", "init", "is_homogeneous", "rocm_built",
          "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
          "mpi_threads_supported", "nccl_built", "rank", "shutdown", "size"], "basics"),
     "Compression": "compression",

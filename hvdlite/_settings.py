@@ -25,6 +25,34 @@ from .exceptions import MismatchError
 _TEST_OWN_SETTINGS = "HVDLITE_TEST_OWN_JOB_SETTINGS"
 
 
+# horovodrun's variables that mean the same as hvdlite's (same units); HOROVOD_LOG_LEVEL's
+# "fatal" has no hvdlite level and is read as "error".
+HOROVOD_ALIASES = {f"HOROVOD_{name}": f"HVDLITE_{name}" for name in (
+    "FUSION_THRESHOLD", "CYCLE_TIME", "CACHE_CAPACITY", "TIMELINE", "STALL_CHECK_TIME_SECONDS",
+    "STALL_SHUTDOWN_TIME_SECONDS", "LOG_LEVEL", "AUTOTUNE", "AUTOTUNE_LOG")}
+
+
+def with_aliases(env, rank=0, warn=True):
+    """`env` with HOROVOD_* variables read as their HVDLITE_* names (the HVDLITE_ name wins,
+    with one warning when both are set and differ)."""
+    out = dict(env)
+    for alias, name in HOROVOD_ALIASES.items():
+        value = env.get(alias)
+        if not value:
+            continue
+        if alias == "HOROVOD_LOG_LEVEL":
+            value = {"fatal": "error"}.get(value.lower(), value.lower())
+        if env.get(name):
+            if env[name] != value and warn:
+                print(f"[hvdlite rank {rank}] WARNING: both {name}={env[name]} and {alias}={env[alias]} "
+                      f"are set; {name} is used", file=sys.stderr, flush=True)
+            continue
+        out[name] = value
+    if env.get("HOROVOD_STALL_CHECK_DISABLE") == "1" and not env.get("HVDLITE_STALL_CHECK_TIME_SECONDS"):
+        out["HVDLITE_STALL_CHECK_TIME_SECONDS"] = "0"
+    return out
+
+
 def _job_wide(env):
     return {name: env[name] for name in _core.JOB_WIDE_SETTINGS if env.get(name)}
 
@@ -44,7 +72,7 @@ def _error(mapping):
 
 def own_record(rank, env=None):
     """What this rank publishes about its build and settings."""
-    env = os.environ if env is None else env
+    env = with_aliases(os.environ if env is None else env, rank)
     own = _job_wide(env)
     # Only the values this rank will run with are validated here: its per-rank variables and,
     # on rank 0, the job-wide ones (the others' job-wide values are not used).
@@ -81,7 +109,7 @@ def check_records(records):
 
 def in_force(records, rank, env=None):
     """The HVDLITE_* mapping this rank's engines run with; warns about overridden values."""
-    env = os.environ if env is None else env
+    env = with_aliases(os.environ if env is None else env, rank, warn=False)
     ours = _job_wide(env)
     if env.get(_TEST_OWN_SETTINGS) == "1":
         return {**_per_rank(env), **ours}

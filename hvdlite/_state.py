@@ -40,6 +40,7 @@ class State:
     settings: dict  # the HVDLITE_* variables every engine of this init() runs with
     sets: dict      # process set id -> SetRuntime; 0 is the global set
     peers: list     # every rank's record (host, pid, build; see _liveness and _settings)
+    homogeneous: bool = True  # every host runs the same number of ranks (from `peers`)
     failure: tuple = None  # (text, ranks) once a rank failure has been diagnosed
     handles: dict = dataclasses.field(default_factory=dict)
     handle_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))

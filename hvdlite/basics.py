@@ -19,6 +19,7 @@ import ipaddress
 import itertools
 import socket
 
+import torch
 import torch.distributed as dist
 
 from . import _environment, _failure, _groups, _liveness, _settings, _state
@@ -86,12 +87,16 @@ def init(comm=None, process_sets=None):
     builds its process groups beside the user's. Calling ``init()`` again while initialized does
     nothing; after ``shutdown()`` it starts a fresh engine.
 
-    ``comm`` (an MPI communicator in Horovod) is not supported and must be None.
+    ``comm``: hvdlite has no MPI communicators; a list of ranks is accepted when it names the
+    whole job (use process sets for subsets). ``process_sets``: a list of ProcessSets (or rank
+    lists) to add, or "dynamic" (hvdlite's process sets can always be added later).
     """
     global _atexit_registered
-    if comm is not None:
+    if comm is not None and not isinstance(comm, (list, tuple, range)):
         raise ValueError("hvdlite.init(): comm= (an MPI communicator) is not supported; "
                          "hvdlite reads the launcher's environment instead")
+    if process_sets == "dynamic":
+        process_sets = None
     _failure.install()  # Note [Failure reports]: from here on, an uncaught exception is reported
     with _state.lock:
         if _state.peek() is not None:
@@ -114,13 +119,22 @@ def init(comm=None, process_sets=None):
         sets = {0: _state.SetRuntime(list(range(topology.size)), engine, groups, topology.rank)}
         if topology.source == "torch.distributed":
             topology = _topology_from_hosts(topology, [p["host"] for p in peers])
+        hosts = [p["host"] for p in peers]
+        homogeneous = len({hosts.count(h) for h in hosts}) == 1
         _state.install(_state.State(topology=topology, generation=generation, store=store, prefix=prefix,
-                                    loopback=loopback, settings=settings, sets=sets, peers=peers))
+                                    loopback=loopback, settings=settings, sets=sets, peers=peers,
+                                    homogeneous=homogeneous))
         if not _atexit_registered:
             # Exiting with work in flight and no shutdown aborted the process in 8 of 20 runs
             # ("terminate called without an active exception"); shutting down at exit fixed it.
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
+    if comm is not None and sorted(int(r) for r in comm) != list(range(size())):
+        ranks, job = sorted(int(r) for r in comm), size()
+        shutdown()
+        raise ValueError(f"hvdlite.init(comm={ranks}): hvdlite runs on every rank of the job "
+                         f"({job} ranks); for collectives among a subset, use "
+                         "hvdlite.add_process_set(...)")
     if process_sets:
         from .process_sets import add_process_set
         for process_set in process_sets:
@@ -193,9 +207,9 @@ def cross_size():
 
 
 def is_homogeneous():
-    """True when every host runs the same number of ranks."""
-    topology = _current().topology
-    return topology.local_size * topology.cross_size == topology.size
+    """True when every host runs the same number of ranks; one answer for the whole job,
+    computed at init() from every rank's host."""
+    return _current().homogeneous
 
 
 def gloo_enabled():
@@ -208,6 +222,23 @@ def gloo_built():
 
 def nccl_built():
     return dist.is_nccl_available()
+
+
+def cuda_built():
+    """True when the installed torch was built with CUDA (hvdlite then uses NCCL for CUDA tensors)."""
+    return torch.version.cuda is not None
+
+
+def rocm_built():
+    return getattr(torch.version, "hip", None) is not None
+
+
+def ccl_built():
+    return False
+
+
+def ddl_built():
+    return False
 
 
 def mpi_enabled():

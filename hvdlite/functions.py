@@ -62,7 +62,7 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
                 t.copy_(values[name])
 
 
-def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_set):
+def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
     """Makes every rank's optimizer state and hyperparameters equal to ``root_rank``'s, in
     place. Synchronizes.
 
@@ -71,7 +71,9 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
     values; no optimizer step is taken, so step counts are exactly the root's. When no rank has
     state yet, nothing but the (equal) hyperparameters is exchanged. Hyperparameters of every
     param group (``lr``, ``momentum``, ``betas``, ...) are set to the root's; state entries the
-    root does not have are removed. ``optimizer`` may be a ``DistributedOptimizer``.
+    root does not have are removed. ``optimizer`` may be a ``DistributedOptimizer``. ``model``
+    is accepted as horovod.torch accepts it; hvdlite needs no model (nor a dummy step) to build
+    the state, so it is not used.
     """
     root = _check_root("broadcast_optimizer_state", root_rank)
     is_root = basics.rank() == root
@@ -163,8 +165,13 @@ def _engine_carries(tensor):
 
 
 def _to_bytes(obj):
+    # cloudpickle, when installed, carries lambdas and local classes, as horovod.torch does
+    try:
+        import cloudpickle
+    except ImportError:
+        cloudpickle = None
     buffer = io.BytesIO()
-    pickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    (cloudpickle or pickle).dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 

@@ -350,18 +350,18 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     receiving every rank's rows for this rank, concatenated in rank order.
 
     Without ``splits`` dimension 0 is divided evenly. ``synchronize()`` returns
-    ``(output, received_splits)`` when ``splits`` was given, else the output.
+    ``(output, received_splits)``, as horovod.torch does, with ``received_splits`` of the
+    splits tensor's dtype (int32 when ``splits`` is not a tensor).
     """
     fn = "alltoall_async"
     _check_tensor(fn, tensor, min_dim=1)
     _, runtime = _runtime(fn, process_set)
     values = _check_splits(fn, tensor, splits, runtime.size)
-    if splits is None:
-        finish = _first
-    else:
-        def finish(outputs):
-            output, received = outputs[0]
-            return output, torch.tensor(received, dtype=torch.int32)
+    dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
+
+    def finish(outputs):
+        output, received = outputs[0]
+        return output, torch.tensor(received, dtype=dtype)
     return _submit(fn, process_set, _ALLTOALL, [tensor], [None], [_check_name(fn, name)], finish,
                    splits=[values])
 

@@ -30,6 +30,7 @@ weight decay treat it as a zero-gradient step. Freeze parameters you never use
 import contextlib
 import dataclasses
 import threading
+import warnings
 import weakref
 
 import torch
@@ -90,6 +91,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             f"{type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("DistributedOptimizer: the optimizer is already a DistributedOptimizer")
+        if isinstance(groups, int) and not isinstance(groups, bool):
+            groups, num_groups = None, groups  # horovod.torch passes num_groups this way too
         _check_options(op, gradient_predivide_factor, backward_passes_per_step, compression)
         process_set = global_process_set if process_set is None else process_set
         self._optimizer = optimizer
@@ -126,6 +129,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
     state = _forwarded("state")
     defaults = _forwarded("defaults")
 
+    # horovod.torch's wrapper is a subclass of the wrapped optimizer's class, so user code and
+    # libraries that check `isinstance(opt, torch.optim.SGD)` work; this wrapper keeps its own
+    # type and reports the wrapped class as __class__, which isinstance() also consults.
+    @property
+    def __class__(self):
+        return type(self._optimizer)
+
+    # The public attributes horovod.torch scripts read.
+    @property
+    def backward_passes_per_step(self):
+        return self._passes_per_step
+
+    @property
+    def op(self):
+        return self._op
+
+    @property
+    def process_set(self):
+        return self._process_set
+
+    @property
+    def sparse_as_dense(self):
+        return self._sparse_as_dense
+
+    def set_backward_passes_per_step(self, passes):
+        """Changes how many backward passes accumulate locally per reduction (as horovod.torch);
+        the passes counted so far start again."""
+        _check_options(self._op, self._predivide, passes, self._compression)
+        with self._lock:
+            self._passes_per_step = int(passes)
+            self._passes = {p: 0 for p in self._passes}
+
     def __getattr__(self, name):
         # Only reached when normal lookup fails: anything else belongs to the wrapped optimizer
         # (its hook dictionaries, extra attributes of custom optimizers, ...).
@@ -160,7 +195,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._should_synchronize:
-            if not self._synchronized:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called after optimizer.synchronize() without the "
+                    "optimizer.skip_synchronize() context: horovod.torch would reduce the gradients "
+                    "twice (hvdlite does not); use `with optimizer.skip_synchronize(): "
+                    "optimizer.step()` after synchronize()", UserWarning, stacklevel=2)
+            else:
                 self.synchronize()
         elif self._pending or any(self._group_ready):
             raise RuntimeError(

@@ -12,11 +12,16 @@ from . import _groups, _state
 
 
 class ProcessSet:
-    """A set of ranks; ``ranks`` is None for the global set (every rank)."""
+    """A set of ranks. The global set's ``ranks`` lists every rank once hvdlite is initialized.
+
+    As in horovod.torch, ``size()``, ``rank()`` and ``included()`` of a set that is not
+    registered (not added, or added before a shutdown()) return None.
+    """
 
     def __init__(self, ranks=None):
+        self._global = ranks is None
         if ranks is None:
-            self.ranks = None
+            self._ranks = None
         else:
             try:
                 ranks = [int(r) for r in ranks]
@@ -26,13 +31,29 @@ class ProcessSet:
                 raise ValueError("ProcessSet: a process set needs at least one rank")
             if len(set(ranks)) != len(ranks):
                 raise ValueError(f"ProcessSet: ranks {ranks} contain duplicates")
-            self.ranks = sorted(ranks)
+            self._ranks = sorted(ranks)
         self.process_set_id = 0 if ranks is None else None
         self._generation = None  # the init() generation it was added in (Note [Generations])
 
+    @property
+    def ranks(self):
+        if self._global:
+            state = _state.peek()
+            return None if state is None else list(range(state.topology.size))
+        return self._ranks
+
+    def _registered(self):
+        """This set's runtime in the current generation, or None."""
+        state = _state.current()
+        if self._global:
+            return state.sets[0]
+        if self.process_set_id is None or self._generation != state.generation:
+            return None
+        return state.sets.get(self.process_set_id)
+
     def _runtime(self):
         state = _state.current()
-        if self.ranks is None:
+        if self._global:
             return state.sets[0]
         if self.process_set_id is None or self.process_set_id not in state.sets:
             raise ValueError(f"{self!r} has not been added: call hvdlite.add_process_set() on every rank")
@@ -43,21 +64,25 @@ class ProcessSet:
         return state.sets[self.process_set_id]
 
     def size(self):
-        """Number of ranks in the set."""
-        return self._runtime().size
+        """Number of ranks in the set (None if it is not registered)."""
+        runtime = self._registered()
+        return None if runtime is None else runtime.size
 
     def rank(self):
-        """This rank's index within the set, or -1 if it is not a member."""
-        return self._runtime().rank
+        """This rank's index within the set, -1 if it is not a member, None if the set is not
+        registered."""
+        runtime = self._registered()
+        return None if runtime is None else runtime.rank
 
     def included(self):
-        """True if this rank belongs to the set."""
-        return self._runtime().rank >= 0
+        """True if this rank belongs to the set (None if it is not registered)."""
+        runtime = self._registered()
+        return None if runtime is None else runtime.rank >= 0
 
     def __repr__(self):
-        if self.ranks is None:
+        if self._global:
             return "ProcessSet(global)"
-        return f"ProcessSet(ranks={self.ranks})"
+        return f"ProcessSet(ranks={self._ranks})"
 
 
 global_process_set = ProcessSet()
@@ -71,11 +96,14 @@ def add_process_set(process_set):
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     state = _state.current()
-    if process_set.ranks is None:
+    if process_set._global:
         raise ValueError("add_process_set: the global process set always exists")
     if (process_set.process_set_id is not None and process_set._generation == state.generation
             and process_set.process_set_id in state.sets):
         raise ValueError(f"add_process_set: {process_set!r} was already added")
+    if any(runtime.ranks == process_set.ranks for sid, runtime in state.sets.items() if sid != 0):
+        raise ValueError(f"add_process_set: a process set with ranks {process_set.ranks} is already "
+                         "registered")
     size = state.topology.size
     bad = [r for r in process_set.ranks if not 0 <= r < size]
     if bad:
@@ -96,11 +124,12 @@ def add_process_set(process_set):
 def remove_process_set(process_set):
     """Stops a process set's engine (members' pending operations fail) and forgets the set.
 
-    Returns True if the set was registered. Call it on every rank.
+    Returns True if the set was registered (False for the global set, which stays). Call it on
+    every rank.
     """
     state = _state.current()
-    if process_set.ranks is None:
-        raise ValueError("remove_process_set: the global process set cannot be removed")
+    if process_set._global:
+        return False  # as in horovod.torch: the global set is never removed
     if process_set._generation != state.generation:
         return False
     runtime = state.sets.pop(process_set.process_set_id, None)

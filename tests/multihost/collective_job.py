@@ -40,7 +40,7 @@ def main():
               flush=True)
         return 1
     print(f"CHECKED rank {rank} of {size} on {socket.gethostname()} ifname={os.environ.get('GLOO_SOCKET_IFNAME')} "
-          f"mark={os.environ.get('JOB_MARK')}", flush=True)
+          f"mark={os.environ.get('JOB_MARK')} homogeneous={hvd.is_homogeneous()}", flush=True)
     hvd.shutdown()
 
 

@@ -86,7 +86,8 @@ def test_collectives_and_training_across_two_hosts_launched_from_one_of_them(hos
     assert len(checked) == 4, out[-4000:]
     for rank, host in ((0, "hvta"), (1, "hvta"), (2, "hvtb"), (3, "hvtb")):
         # rank-prefixed output from every host, the environment forwarded, the discovered interface
-        assert f"[{rank}]<stdout>: CHECKED rank {rank} of 4 on {host} ifname=eth0 mark=forwarded" in checked
+        assert f"[{rank}]<stdout>: CHECKED rank {rank} of 4 on {host} ifname=eth0 mark=forwarded homogeneous=True" \
+            in checked
     assert_nothing_left(hosts)
 
 
@@ -98,13 +99,22 @@ def test_three_hosts_from_outside_with_a_hostfile(hosts, tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert sorted(lines(out, "CHECKED")) == [
-        f"[{r}]<stdout>: CHECKED rank {r} of 3 on {n} ifname=eth0 mark=None"
+        f"[{r}]<stdout>: CHECKED rank {r} of 3 on {n} ifname=eth0 mark=None homogeneous=True"
         for r, n in enumerate(("hvta", "hvtb", "hvtc"))]
     # discovery tried the decoys and kept the interface every host reaches every host through
     report = lines(out, "hvdliterun: discovery:")
     a, b = hosts.address("hvta"), hosts.address("hvtb")
     assert any(f"{a} (hvta) reaches {b} (hvtb) through eth0 (tried dcy0 " in line for line in report), report
     assert any(f"ranks use eth0, rendezvous at {hosts.outside_address}" in line for line in report), report
+    assert_nothing_left(hosts)
+
+
+def test_is_homogeneous_is_one_answer_for_the_whole_job(hosts):
+    result = run_on(hosts, "hvta", launcher(hosts, "-H", "hvta:2,hvtb:1") + JOB)
+    out = result.stdout + result.stderr
+    checked = lines(out, "CHECKED")
+    assert result.returncode == 0 and len(checked) == 3, out[-3000:]
+    assert all(line.endswith("homogeneous=False") for line in checked), checked
     assert_nothing_left(hosts)
 
 

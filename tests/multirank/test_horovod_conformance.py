@@ -1,0 +1,142 @@
+"""horovod.torch behaviour that ported scripts rely on (names, return shapes, ProcessSet and
+DistributedOptimizer semantics, HOROVOD_* variables), each checked on real ranks."""
+import os
+import warnings
+
+import pytest
+import torch
+
+import hvdlite as hvd
+from tests.harness import Job, run_ranks
+
+
+def test_build_queries_and_the_mpi_ops_module_path():
+    assert (hvd.ccl_built(), hvd.ddl_built()) == (False, False)
+    assert hvd.cuda_built() == (torch.version.cuda is not None)
+    assert hvd.rocm_built() == (getattr(torch.version, "hip", None) is not None)
+    from hvdlite.mpi_ops import Average, Sum, allreduce_async_, synchronize
+    assert (Sum, Average, allreduce_async_, synchronize) == (hvd.Sum, hvd.Average, hvd.allreduce_async_,
+                                                             hvd.synchronize)
+
+
+def _semantics():
+    hvd.init(process_sets="dynamic")
+    rank, size = hvd.rank(), hvd.size()
+    out = {"global_ranks": hvd.global_process_set.ranks}
+    unregistered = hvd.ProcessSet([0, 1])
+    out["unregistered"] = (unregistered.size(), unregistered.rank(), unregistered.included())
+    registered = hvd.add_process_set(unregistered)
+    out["registered"] = (registered.size(), registered.rank(), registered.included())
+    with pytest.raises(ValueError, match=r"ranks \[0, 1\] is already registered"):
+        hvd.add_process_set([1, 0])
+    out["remove_global"] = hvd.remove_process_set(hvd.global_process_set)
+    # alltoall_async: (output, received_splits) with or without splits; splits keep their dtype
+    t = torch.arange(size * 2, dtype=torch.float32) + 100 * rank
+    even, even_splits = hvd.synchronize(hvd.alltoall_async(t, name="even"))
+    out["even"] = (even.tolist(), even_splits.tolist(), str(even_splits.dtype))
+    splits = torch.tensor([1] * (size - 1) + [size * 2 - (size - 1)], dtype=torch.int64)
+    got, got_splits = hvd.synchronize(hvd.alltoall_async(t, splits=splits, name="uneven"))
+    out["uneven_dtype"] = str(got_splits.dtype)
+    out["homogeneous"] = hvd.is_homogeneous()
+    out["object"] = hvd.broadcast_object(lambda x: x + 41, root_rank=0)(1)
+    hvd.shutdown()
+    hvd.init(comm=list(range(size)))
+    hvd.shutdown()
+    with pytest.raises(ValueError, match="use hvdlite.add_process_set"):
+        hvd.init(comm=[0])
+    assert not hvd.is_initialized()
+    return out
+
+
+def test_process_sets_alltoall_and_objects_behave_as_in_horovod():
+    for rank, out in enumerate(run_ranks(3, __name__, "_semantics")):
+        assert out["global_ranks"] == [0, 1, 2]
+        assert out["unregistered"] == (None, None, None)
+        assert out["registered"] == ((2, rank, True) if rank < 2 else (2, -1, False))
+        assert out["remove_global"] is False
+        # rank r receives rows 2r, 2r+1 of every rank's tensor (which holds 100 * sender + i)
+        want = [100 * s + 2 * rank + k for s in range(3) for k in range(2)]
+        assert out["even"] == (want, [2, 2, 2], "torch.int32")
+        assert out["uneven_dtype"] == "torch.int64"
+        assert out["homogeneous"] is True
+        assert out["object"] == 42  # a lambda, carried by cloudpickle
+
+
+def _optimizer():
+    hvd.init()
+    rank = hvd.rank()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 1, bias=False))
+    unused = torch.nn.Linear(2, 2)  # its parameters never get a gradient
+    params = list(model.parameters()) + list(unused.parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                                   named_parameters=list(model.named_parameters()) +
+                                   [("unused." + n, p) for n, p in unused.named_parameters()], groups=2)
+    facts = {"isinstance": (isinstance(opt, torch.optim.SGD), isinstance(opt, torch.optim.Adam),
+                            isinstance(opt, hvd.DistributedOptimizer)),
+             "attrs": (opt.backward_passes_per_step, opt.op, opt.sparse_as_dense,
+                       opt.process_set is hvd.global_process_set)}
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    # two backward passes per step: the reduced gradient is the average over ranks of both passes
+    opt.set_backward_passes_per_step(2)
+    w0 = model[0].weight.detach().clone()
+    opt.zero_grad()
+    for k in range(2):
+        model(torch.full((1, 3), float(rank + k + 1))).sum().backward()
+    opt.step()
+    facts["accumulated_grad"] = model[0].weight.grad.tolist()
+    facts["moved"] = not torch.equal(w0, model[0].weight.detach())
+    # step() after synchronize() without skip_synchronize() warns
+    opt.zero_grad()
+    for k in range(2):
+        model(torch.ones(1, 3)).sum().backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    facts["warned"] = any("skip_synchronize" in str(w.message) for w in caught)
+    # broadcast_optimizer_state with model= and parameters that have no state
+    if rank == 1:
+        for group in opt.param_groups:
+            group["lr"] = 0.5
+    hvd.broadcast_optimizer_state(opt, root_rank=0, model=model)
+    facts["lr"] = opt.param_groups[0]["lr"]
+    facts["momentum"] = opt.state[model[0].weight]["momentum_buffer"].tolist()
+    # state entries that are None (optimizers keep them for buffers not made yet)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 0:
+        plain.state[model[0].weight] = {"momentum_buffer": None, "step": 3}
+    hvd.broadcast_optimizer_state(plain, root_rank=0, model=model)
+    facts["none_entry"] = plain.state[model[0].weight]
+    hvd.shutdown()
+    return facts
+
+
+def test_distributed_optimizer_behaves_as_in_horovod():
+    results = run_ranks(2, __name__, "_optimizer")
+    for facts in results:
+        assert facts["isinstance"] == (True, False, True)
+        assert facts["attrs"] == (1, hvd.Average, False, True)
+        # d/dW of sum(W x) is x for every row; passes with x = r+1 and r+2, averaged over ranks 0, 1
+        per_rank = [sum(float(r + k + 1) for k in range(2)) for r in range(2)]
+        want = sum(per_rank) / 2
+        assert facts["accumulated_grad"] == [[want] * 3] and facts["moved"]
+        assert facts["warned"]
+        assert facts["lr"] == 0.1 and facts["none_entry"] == {"momentum_buffer": None, "step": 3}
+    assert results[0]["momentum"] == results[1]["momentum"]
+
+
+def _aliases():
+    hvd.init()
+    engine = hvd.basics._state.current().engine
+    out = (engine.fusion_threshold_bytes, engine.cycle_time_ms)
+    hvd.shutdown()
+    return out
+
+
+def test_horovod_variables_are_read_as_hvdlite_ones():
+    env = {"HOROVOD_FUSION_THRESHOLD": "1048576", "HOROVOD_CYCLE_TIME": "2"}
+    job = Job(2, __name__, "_aliases", env=env, rank_env_extra={1: {"HVDLITE_CYCLE_TIME": "3"}})
+    assert job.wait(timeout=60) == [(1048576, 2.0), (1048576, 2.0)]  # rank 0's values, job-wide
+    log = job.output(1)
+    assert "both HVDLITE_CYCLE_TIME=3 and HOROVOD_CYCLE_TIME=2 are set; HVDLITE_CYCLE_TIME is used" in log
+    assert "HVDLITE_CYCLE_TIME=3 on this rank differs from rank 0's 2" in log
