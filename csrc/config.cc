@@ -98,6 +98,11 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
   if (autotune > 1) return BadValue("HVDLITE_AUTOTUNE", set("HVDLITE_AUTOTUNE"), "0 or 1");
   config.autotune = autotune == 1;
   if (const char* value = set("HVDLITE_AUTOTUNE_LOG")) config.autotune_log_path = value;
+  if (const char* value = set("HVDLITE_JOIN_AVERAGE")) {
+    const std::string text = value;
+    if (text != "size" && text != "contributors") return BadValue("HVDLITE_JOIN_AVERAGE", value, "size or contributors");
+    config.average_over_contributors = text == "contributors";
+  }
   if (const char* value = set("HVDLITE_TIMELINE")) config.timeline_path = value;
   if (const char* value = set("HVDLITE_LOG_LEVEL")) {
     Status status = ParseLogLevel("HVDLITE_LOG_LEVEL", value, &config.log_level);
@@ -115,6 +120,7 @@ const std::vector<std::string>& JobWideVariables() {
       "HVDLITE_INLINE_BYTES",             "HVDLITE_GATHER_BYTES",
       "HVDLITE_GATHER_MAX_MS",            "HVDLITE_CPU_CHANNELS",
       "HVDLITE_AUTOTUNE",                 "HVDLITE_AUTOTUNE_SAMPLE_SECONDS",
+      "HVDLITE_JOIN_AVERAGE",
   };
   return kVariables;
 }
@@ -128,7 +134,8 @@ uint64_t JobWideDigest(const Config& c) {
     for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
   };
   const int64_t ints[] = {c.fusion_threshold_bytes, c.cache_capacity, c.inline_bytes,
-                          c.gather_bytes, c.cpu_channels, c.autotune ? 1 : 0};
+                          c.gather_bytes, c.cpu_channels, c.autotune ? 1 : 0,
+                          c.average_over_contributors ? 1 : 0};
   const double doubles[] = {c.cycle_time_ms, c.idle_heartbeat_ms, c.stall_check_seconds,
                             c.stall_shutdown_seconds, c.gather_max_ms, c.autotune_sample_seconds};
   mix(ints, sizeof(ints));

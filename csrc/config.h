@@ -66,6 +66,10 @@ struct Config {
   std::string timeline_path;
   // HVDLITE_LOG_LEVEL: trace, debug, info, warning (default) or error.
   LogLevel log_level = LogLevel::kWarning;
+  // HVDLITE_JOIN_AVERAGE: what an Average divides by while some ranks have joined (Note [Join]
+  // in controller.h): "size" (every rank of the set, as horovod.torch and DDP's Join) or
+  // "contributors" (only the ranks that submitted data).
+  bool average_over_contributors = false;
   // HVDLITE_TEST_FORGET_CACHE_AT_ROUND: a test hook (per rank): after this many negotiation
   // rounds this rank's controller forgets its response cache, so its state diverges from the
   // other ranks' the way a bug would make it (Note [Agreement digest] in engine.h). -1: never.

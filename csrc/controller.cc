@@ -151,12 +151,13 @@ Status CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>&
 }
 
 Controller::Controller(int size, double stall_check_seconds, double stall_shutdown_seconds,
-                       size_t cache_capacity)
+                       size_t cache_capacity, bool average_over_contributors)
     : size_(size),
       stall_check_ms_(static_cast<int64_t>(stall_check_seconds * 1000)),
       stall_shutdown_ms_(static_cast<int64_t>(stall_shutdown_seconds * 1000)),
       joined_(size, false),
-      cache_(cache_capacity, size) {}
+      cache_(cache_capacity, size),
+      average_over_contributors_(average_over_contributors) {}
 
 RoundResult Controller::ProcessRound(std::vector<RankMessage> messages) {
   RoundResult result;
@@ -386,6 +387,7 @@ ReadyItem Controller::MakeReady(Pending& pending) {
     }
   }
   item.contributors = static_cast<int>(ranks.size());
+  item.average_divisor = average_over_contributors_ ? item.contributors : size_;
   // The lowest submitting rank's request becomes the item's, moved in last (payloads go to
   // item.payloads, not into the agreed request).
   const Request& request = requests.front();

@@ -31,8 +31,9 @@
 // recorded until every rank has joined, that rank counts as having submitted every other name:
 // a name is ready once all ranks that have not joined requested it. The joined rank still runs
 // the collective, with a neutral input (zeros for sums, the op's identity for Min/Max/Product,
-// no rows for allgather and alltoall) and discards the result; averages divide by the number of
-// ranks that contributed. When the last rank joins, every rank's join completes, returning the
+// no rows for allgather and alltoall) and discards the result. Averages divide by the size of
+// the set, as horovod.torch and DDP's Join do (the joined ranks count as zeros), or, with
+// HVDLITE_JOIN_AVERAGE=contributors, by the ranks that contributed. When the last rank joins, every rank's join completes, returning the
 // rank that joined last, and the joined set is cleared.
 // Note [Grouped operations]
 // A rank submits all members of a group in one message (the tensor queue takes a group
@@ -76,7 +77,7 @@ struct RoundResult {
 class Controller {
  public:
   Controller(int size, double stall_check_seconds, double stall_shutdown_seconds,
-             size_t cache_capacity = 0);
+             size_t cache_capacity = 0, bool average_over_contributors = false);
 
   // messages[r] is rank r's message for this round; its requests are moved into the table.
   RoundResult ProcessRound(std::vector<RankMessage> messages);
@@ -137,6 +138,7 @@ class Controller {
   std::map<std::string, Group> groups_;
   ResponseCache cache_;
   uint64_t decisions_ = 0;  // Note [Agreement digest]: chain over every decision
+  bool average_over_contributors_;
 };
 
 // Compares the requests that `ranks` made for one name (by_rank[i] is ranks[i]'s). Returns Ok

@@ -42,7 +42,7 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       timeline_(config.timeline_path, rank, size),
       channel_(control_backend_.get(), size),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
-                  static_cast<size_t>(config.cache_capacity)),
+                  static_cast<size_t>(config.cache_capacity), config.average_over_contributors),
       executor_(rank, size, Pointers(cpu_backends_), cuda_backend_.get(), &queue_, &handles_, &timeline_),
       settings_digest_(JobWideDigest(config)),
       params_{config.fusion_threshold_bytes, config.cycle_time_ms} {

@@ -32,7 +32,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   int64_t total = 0;
   for (Local& local : locals) total += local.entry.input.numel();
 
-  auto finish = [&](at::Tensor& part) { Postprocess(part, average, item.contributors, request.postscale); };
+  auto finish = [&](at::Tensor& part) { Postprocess(part, average, item.average_divisor, request.postscale); };
   Entry& first = locals.front().entry;
   if (!scatter && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
     // One tensor: reduce straight in the output, no fusion buffer.

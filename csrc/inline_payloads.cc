@@ -40,7 +40,7 @@ void Executor::FromPayloads(Local& local) {
           result.add_(t);
         }
       }
-      Postprocess(result, request.op == ReduceOp::kAverage, item.contributors, request.postscale);
+      Postprocess(result, request.op == ReduceOp::kAverage, item.average_divisor, request.postscale);
       local.entry.output.copy_(result.view(local.entry.output.sizes()));
       return;
     }

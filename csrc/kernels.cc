@@ -6,24 +6,20 @@ namespace hvdlite {
 
 void Scale(at::Tensor& t, double factor) {
   if (factor == 1.0) return;
-  if (at::isFloatingType(t.scalar_type())) {
-    t.mul_(factor);
+  const c10::ScalarType dtype = t.scalar_type();
+  if (!at::isFloatingType(dtype)) {
+    t.copy_(t.to(at::kDouble).mul_(factor));  // truncates toward zero on the way back
+  } else if (dtype == at::kHalf && t.device().is_cpu()) {
+    t.copy_(t.to(at::kFloat).mul_(factor));  // as horovod.torch scales CPU float16
   } else {
-    t.copy_(t.to(at::kDouble).mul_(factor));
+    t.mul_(factor);
   }
 }
 
-void Postprocess(at::Tensor& t, bool average, int contributors, double postscale) {
-  if (!average) {
-    Scale(t, postscale);
-  } else if (at::isFloatingType(t.scalar_type())) {
-    t.div_(contributors);
-    if (postscale != 1.0) t.mul_(postscale);
-  } else {
-    at::Tensor wide = t.to(at::kDouble).div_(contributors);
-    if (postscale != 1.0) wide.mul_(postscale);
-    t.copy_(wide);
-  }
+void Postprocess(at::Tensor& t, bool average, int divisor, double postscale) {
+  // Note [Scaling as horovod.torch does]: an average is a postscale by 1/divisor, applied in one
+  // multiplication, so results match Horovod's to the bit (x * (1/3) and x / 3 can differ).
+  Scale(t, average ? postscale / divisor : postscale);
 }
 
 at::Tensor Shaped(const at::Tensor& flat, int64_t offset, const at::Tensor& like) {

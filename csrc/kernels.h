@@ -8,10 +8,12 @@
 
 namespace hvdlite {
 
-// Multiplies in place; integer tensors are scaled in double and truncated toward zero.
+// Multiplies in place, as horovod.torch does: integer tensors in double, truncated toward zero;
+// CPU float16 in float32; other floating types in their own precision.
 void Scale(at::Tensor& t, double factor);
-// Average's division (by the ranks that contributed) and the postscale factor, after the sum.
-void Postprocess(at::Tensor& t, bool average, int contributors, double postscale);
+// Average's division (by `divisor`, Note [Join]) and the postscale factor, after the sum: one
+// Scale by postscale / divisor (Note [Scaling as horovod.torch does]).
+void Postprocess(at::Tensor& t, bool average, int divisor, double postscale);
 // Views a flat slice with the entry's shape (0-d tensors have one element).
 at::Tensor Shaped(const at::Tensor& flat, int64_t offset, const at::Tensor& like);
 // Note [Copies into fusion buffers]: `offset` counts elements of the flat buffer.

@@ -17,7 +17,8 @@ struct ReadyItem {
   std::vector<int64_t> rank_dim0;  // allgather: every rank's first dimension (0 if joined)
   std::vector<std::vector<int64_t>> rank_splits;  // alltoall: [sender][receiver] rows
   std::vector<int> joined;         // ranks that take part with a neutral input (Note [Join])
-  int contributors = 0;            // ranks that submitted it: averages divide by this
+  int contributors = 0;            // ranks that submitted it
+  int average_divisor = 0;         // what an Average divides by (Note [Join] in controller.h)
   int last_joined = -1;            // join: the rank that joined last
   bool inlined = false;            // every rank's data came with its request (payloads)
   std::vector<std::string> payloads;  // by rank, when inlined (Note [Inline small tensors])

@@ -5,7 +5,7 @@ collective, so every rank of the process set must run backward through the same 
 in the same order (as data-parallel training does). The gradients:
 
 - allreduce: the same allreduce (op and scale factors) of the incoming gradient;
-- allgather: this rank's rows of the summed incoming gradient;
+- allgather: this rank's rows of the incoming gradient averaged over ranks (as horovod.torch);
 - broadcast: the average of the incoming gradients on the root, zero elsewhere;
 - alltoall: the incoming gradient sent back along the received splits;
 - reducescatter: the allgather of the incoming gradient, scaled as the forward was.
@@ -60,11 +60,33 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None, ops.Sum, 1.0, 1.0,
-                                                     ctx.process_set))
-        _, runtime = ops._runtime("allgather", ctx.process_set)
-        start = sum(ctx.rows[:runtime.rank])
-        return summed.narrow(0, start, ctx.rows[runtime.rank]).reshape(ctx.shape), None, None
+        averaged = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None, ops.Average,
+                                                       1.0, 1.0, ctx.process_set))
+        return _own_rows(averaged, ctx.rows, ctx.shape, ctx.process_set), None, None
+
+
+def _own_rows(gathered, rows, shape, process_set):
+    _, runtime = ops._runtime("allgather", process_set)
+    start = sum(rows[:runtime.rank])
+    return gathered.narrow(0, start, rows[runtime.rank]).reshape(shape)
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.process_set = process_set
+        ctx.shapes = [t.shape for t in tensors]
+        results = ops.synchronize(ops._grouped_allgather_with_rows_async([t.detach() for t in tensors],
+                                                                         name, process_set))
+        ctx.rows = [rows for _, rows in results]
+        return tuple(output for output, _ in results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        averaged = ops.synchronize(ops.grouped_allreduce_async(
+            [g.contiguous() for g in grads], None, None, ops.Average, 1.0, 1.0, ctx.process_set))
+        return (None, None) + tuple(_own_rows(a, rows, shape, ctx.process_set)
+                                    for a, rows, shape in zip(averaged, ctx.rows, ctx.shapes))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -153,8 +175,10 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """Allgather of each tensor in a list, negotiated as a unit; returns the list."""
-    return ops.synchronize(ops.grouped_allgather_async(tensors, name, process_set))
+    """Allgather of each tensor in a list, negotiated as a unit; returns the list.
+    Differentiable (each gradient as allgather's). Synchronizes."""
+    ops._check_tensors("grouped_allgather", tensors)
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):

@@ -282,13 +282,21 @@ def _allgather_with_rows_async(tensor, name, process_set):
                    [_check_name("allgather", name)], lambda outputs: outputs[0])
 
 
+def _grouped_allgather(fn, tensors, name, process_set, finish):
+    tensors = _check_tensors(fn, tensors)
+    group, names = _group_names(fn, process_set, _check_name(fn, name), len(tensors))
+    return _submit(fn, process_set, _ALLGATHER, tensors, [None] * len(tensors), names, finish,
+                   group=group)
+
+
+def _grouped_allgather_with_rows_async(tensors, name, process_set):
+    """grouped_allgather_async whose synchronize() returns (output, every rank's rows) pairs."""
+    return _grouped_allgather("grouped_allgather", tensors, name, process_set, list)
+
+
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Starts an allgather of each tensor in a list, negotiated as a unit."""
-    tensors = _check_tensors("grouped_allgather_async", tensors)
-    group, names = _group_names("grouped_allgather_async", process_set,
-                                _check_name("grouped_allgather_async", name), len(tensors))
-    return _submit("grouped_allgather_async", process_set, _ALLGATHER, tensors, [None] * len(tensors),
-                   names, _tensors, group=group)
+    return _grouped_allgather("grouped_allgather_async", tensors, name, process_set, _tensors)
 
 
 # ---- broadcast ---------------------------------------------------------------------------------
@@ -414,10 +422,11 @@ def join(device=-1):
     """Declares that this rank has no more data; returns the rank that joined last.
 
     Until every rank has joined, a joined rank keeps taking part in the other ranks'
-    collectives: it contributes zeros to sums (the op's identity to Min, Max and Product), no
-    rows to allgather and alltoall, and averages divide by the number of ranks that actually
-    contributed, so a gradient average over uneven data is the average over the ranks that had
-    data. A broadcast whose root has joined fails. Blocks until all ranks have joined.
+    collectives: it contributes zeros to sums (the op's identity to Min, Max and Product) and no
+    rows to allgather and alltoall. Averages divide by the size of the set, as horovod.torch
+    and DDP's Join do (so with 2 ranks and one joined, the average is t / 2);
+    HVDLITE_JOIN_AVERAGE=contributors divides by the ranks that contributed instead. A
+    broadcast whose root has joined fails. Blocks until all ranks have joined.
     ``device`` is accepted for horovod.torch compatibility and ignored.
     """
     handle = _submit("join", None, _JOIN, [torch.empty(0)], [None], ["hvdlite.join"],

@@ -125,9 +125,13 @@ def _barrier_and_join(steps):
 
 
 @pytest.mark.parametrize("steps", [[3, 1], [1, 4, 2]])
-def test_join_lets_ranks_with_more_data_continue_and_averages_over_contributors(steps):
+@pytest.mark.parametrize("divide_by", ["size", "contributors"])
+def test_join_lets_ranks_with_more_data_continue_and_averages_like_horovod(steps, divide_by):
+    # Horovod's (and DDP Join's) average divides by every rank of the set, joined ranks counting
+    # as zeros; HVDLITE_JOIN_AVERAGE=contributors divides by the ranks that had data.
     size = len(steps)
-    out = run_ranks(size, __name__, "_barrier_and_join", steps, timeout=60)
+    env = {} if divide_by == "size" else {"HVDLITE_JOIN_AVERAGE": "contributors"}
+    out = run_ranks(size, __name__, "_barrier_and_join", steps, timeout=60, env=env)
     # the rank that slept least waited at the barrier for the one that slept most
     assert out[0][0] > 0.3 * (size - 1) - 0.1
     last_rank = max(range(size), key=lambda r: steps[r])
@@ -137,7 +141,8 @@ def test_join_lets_ranks_with_more_data_continue_and_averages_over_contributors(
         assert after == size
         for step in range(steps[rank]):
             contributors = [r for r in range(size) if steps[r] > step]
-            avg = sum(r + 1 + step for r in contributors) / len(contributors)
-            assert results[2 * step] == [avg] * 3, (rank, step, results[2 * step])
+            want = torch.full((3,), float(sum(r + 1 + step for r in contributors)))
+            want *= 1.0 / (size if divide_by == "size" else len(contributors))  # as horovod.torch scales
+            assert results[2 * step] == want.tolist(), (rank, step, results[2 * step])
             assert results[2 * step + 1] == [min(r + 1 for r in contributors),
                                              min(10 * (r + 1) for r in contributors)]

@@ -52,7 +52,8 @@ def _gradients():
         ok &= torch.allclose(xs[i][rank].grad, ref[rank].grad)
     checks["grouped_allreduce"] = ok
 
-    # allgather with uneven rows
+    # allgather with uneven rows: horovod.torch averages the incoming gradients over ranks, so the
+    # gradient is the summed-loss reference's divided by the size
     xs = [torch.randn(r + 1, 2, generator=torch.Generator().manual_seed(30 + r), dtype=torch.float64).requires_grad_(True)
           for r in range(size)]
     w = [_weights((sum(range(1, size + 1)), 2), 40 + r) for r in range(size)]
@@ -60,7 +61,20 @@ def _gradients():
     (out * w[rank]).sum().backward()
     ref = [x.detach().clone().requires_grad_(True) for x in xs]
     sum((torch.cat(ref) * w[r]).sum() for r in range(size)).backward()
-    checks["allgather"] = torch.allclose(xs[rank].grad, ref[rank].grad)
+    checks["allgather"] = torch.allclose(xs[rank].grad, ref[rank].grad / size)
+
+    # grouped allgather: the same, per member
+    xs2 = [torch.randn(r + 2, generator=torch.Generator().manual_seed(35 + r), dtype=torch.float64).requires_grad_(True)
+           for r in range(size)]
+    w2 = [_weights((sum(range(2, size + 2)),), 45 + r) for r in range(size)]
+    for x in xs:
+        x.grad = None
+    outs = hvd.grouped_allgather([xs[rank], xs2[rank]])
+    ((outs[0] * w[rank]).sum() + (outs[1] * w2[rank]).sum()).backward()
+    ref2 = [x.detach().clone().requires_grad_(True) for x in xs2]
+    sum((torch.cat(ref2) * w2[r]).sum() for r in range(size)).backward()
+    checks["grouped_allgather"] = (torch.allclose(xs[rank].grad, ref[rank].grad / size)
+                                   and torch.allclose(xs2[rank].grad, ref2[rank].grad / size))
 
     # broadcast from the last rank: Horovod's gradient is the average on the root, zero elsewhere
     root = size - 1

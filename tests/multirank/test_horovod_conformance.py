@@ -140,3 +140,37 @@ def test_horovod_variables_are_read_as_hvdlite_ones():
     log = job.output(1)
     assert "both HVDLITE_CYCLE_TIME=3 and HOROVOD_CYCLE_TIME=2 are set; HVDLITE_CYCLE_TIME is used" in log
     assert "HVDLITE_CYCLE_TIME=3 on this rank differs from rank 0's 2" in log
+
+
+def _horovod_scale(t, factor):
+    """horovod.torch's scaling: integers in float64 then truncated, CPU float16 in float32."""
+    if not t.dtype.is_floating_point:
+        return (t.double() * factor).to(t.dtype)
+    if t.dtype == torch.float16:
+        return (t.float() * factor).half()
+    return t * factor
+
+
+def _scaled(dtypes):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    out = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        for op, pre, post in ((hvd.Sum, 0.7, 1.3), (hvd.Average, 1.9, 0.6), (hvd.Average, 1.0, 1.0)):
+            inputs = [torch.arange(1, 40, dtype=torch.float64).mul(r + 3).remainder(97).to(dtype)
+                      for r in range(size)]
+            got = hvd.allreduce(inputs[rank], op=op, prescale_factor=pre, postscale_factor=post,
+                                name=f"{name}.{op}.{pre}")
+            total = sum(_horovod_scale(x, pre) for x in inputs)
+            want = _horovod_scale(total, post / size if op == hvd.Average else post)
+            out[(name, op, pre)] = torch.equal(got, want) or (got - want).abs().max().item()
+    hvd.shutdown()
+    return out
+
+
+def test_scale_factors_on_integer_and_half_tensors_match_horovod_to_the_bit():
+    dtypes = ["uint8", "int8", "int32", "int64", "float16", "float32", "float64"]
+    for rank, out in enumerate(run_ranks(2, __name__, "_scaled", dtypes)):
+        bad = {k: v for k, v in out.items() if v is not True}
+        assert not bad, f"rank {rank}: {bad}"
