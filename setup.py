@@ -61,4 +61,6 @@ setup(
     entry_points={"console_scripts": ["hvdliterun = hvdlite.runner.launch:main"]},
     python_requires=">=3.9",
     install_requires=[],
+    # --config-file (horovodrun's YAML); broadcast_object of lambdas and local classes
+    extras_require={"config": ["pyyaml"], "objects": ["cloudpickle"]},
 )

@@ -24,6 +24,8 @@ class CoreKnobs:
     verbose: bool = False
     stall_check_time_seconds: Optional[float] = None
     stall_shutdown_time_seconds: Optional[float] = None
+    cache_capacity: Optional[int] = None
+    log_level: Optional[str] = None
 
     def core_env(self) -> Dict[str, str]:
         env = {}
@@ -45,6 +47,10 @@ class CoreKnobs:
             env["HVDLITE_STALL_CHECK_TIME_SECONDS"] = f"{self.stall_check_time_seconds:g}"
         if self.stall_shutdown_time_seconds is not None:
             env["HVDLITE_STALL_SHUTDOWN_TIME_SECONDS"] = f"{self.stall_shutdown_time_seconds:g}"
+        if self.cache_capacity is not None:
+            env["HVDLITE_CACHE_CAPACITY"] = str(self.cache_capacity)
+        if self.log_level is not None:
+            env["HVDLITE_LOG_LEVEL"] = self.log_level
         return env
 
 
@@ -74,3 +80,4 @@ class JobConfig:
     extra_env: Dict[str, str] = field(default_factory=dict)  # on top of the launcher's own
     cwd: Optional[str] = None  # None: the launcher's working directory
     verbose: bool = False
+    output_timestamps: bool = False

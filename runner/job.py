@@ -74,7 +74,7 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
         is_local = {hosts[0].name: True}
     remote_hosts = [s.hostname for s in slots if not is_local[s.hostname]]
 
-    mux = OutputMux(stdout, stderr, config.output_dir)
+    mux = OutputMux(stdout, stderr, config.output_dir, config.output_timestamps)
 
     def log(message: str) -> None:
         if config.verbose:

@@ -112,6 +112,23 @@ def _port(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _log_level(text: str) -> str:
+    level = {"fatal": "error"}.get(text.lower(), text.lower())
+    if level not in ("trace", "debug", "info", "warning", "error"):
+        raise argparse.ArgumentTypeError(f"expected trace, debug, info, warning, error or fatal, got {text!r}")
+    return level
+
+
 def _channels(text: str) -> int:
     value = _positive_int(text)
     if value > 16:
@@ -169,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ssh configuration file (ssh -F), e.g. for keys and known hosts")
 
     core = p.add_argument_group("hvdlite core settings (become HVDLITE_* variables)")
-    core.add_argument("--fusion-threshold-mb", type=_positive_float, metavar="MB",
-                      help="fuse small tensors into buffers up to this size "
+    core.add_argument("--fusion-threshold-mb", type=_non_negative_float, metavar="MB",
+                      help="fuse small tensors into buffers up to this size; 0 disables fusion "
                            "(HVDLITE_FUSION_THRESHOLD, in bytes; core default 64)")
     core.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
                       help="shortest time between two busy negotiation rounds; 0 runs each round "
@@ -186,12 +203,39 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--autotune-log-file", metavar="FILE",
                       help="rank 0 writes every autotune sample and the choice to this CSV "
                            "file (HVDLITE_AUTOTUNE_LOG)")
-    core.add_argument("--stall-check-time-seconds", type=_positive_float, metavar="SECONDS",
+    core.add_argument("--stall-check-time-seconds", "--stall-check-warning-time-seconds",
+                      dest="stall_check_time_seconds", type=_positive_float, metavar="SECONDS",
                       help="warn about ranks that have not submitted a tensor the others wait "
                            "on after this long (HVDLITE_STALL_CHECK_TIME_SECONDS)")
-    core.add_argument("--stall-shutdown-time-seconds", type=_positive_float, metavar="SECONDS",
+    core.add_argument("--stall-shutdown-time-seconds", "--stall-check-shutdown-time-seconds",
+                      dest="stall_shutdown_time_seconds", type=_positive_float, metavar="SECONDS",
                       help="fail the job after a stall this long "
                            "(HVDLITE_STALL_SHUTDOWN_TIME_SECONDS)")
+    core.add_argument("--no-stall-check", dest="stall_check", action="store_false", default=None,
+                      help="no stall warnings or failures (both times 0)")
+    core.add_argument("--cache-capacity", type=_non_negative_int, metavar="N",
+                      help="names remembered by the response cache (HVDLITE_CACHE_CAPACITY)")
+    core.add_argument("--disable-cache", action="store_true",
+                      help="no response cache (HVDLITE_CACHE_CAPACITY=0)")
+    core.add_argument("--log-level", type=_log_level, metavar="LEVEL",
+                      help="trace, debug, info, warning, error (fatal reads as error) "
+                           "(HVDLITE_LOG_LEVEL)")
+    core.add_argument("--timeline-mark-cycles", action="store_true", default=None,
+                      help="accepted for horovodrun's job scripts: hvdlite's timeline always marks "
+                           "its negotiation rounds")
+
+    compat = p.add_argument_group("horovodrun compatibility")
+    compat.add_argument("--config-file", metavar="FILE",
+                        help="horovodrun's YAML configuration file (needs PyYAML); flags given "
+                             "here win over it")
+    compat.add_argument("--prefix-output-with-timestamp", action="store_true",
+                        help="add the time to every rank's output line")
+    compat.add_argument("-v", "--version", action="store_true",
+                        help="print hvdlite's version and exit")
+    compat.add_argument("--gloo", action="store_true",
+                        help="accepted: Gloo (with NCCL for CUDA tensors) is hvdlite's only controller")
+    compat.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
+    compat.add_argument("--jsrun", action="store_true", help=argparse.SUPPRESS)
 
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]",
                    help="the program every rank runs, with its arguments")
@@ -200,9 +244,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Namespace]:
     """Parse argv into a JobConfig (None for --check-build). Raises UsageError."""
-    args = build_parser().parse_args(list(argv))
-    if args.check_build:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.mpi or args.jsrun:
+        flag = "--mpi" if args.mpi else "--jsrun"
+        raise UsageError(f"{flag}: hvdlite has no MPI or jsrun controller; hvdliterun starts the ranks "
+                         "itself (drop the flag), and jobs under mpirun or jsrun can call hvd.init() "
+                         "directly")
+    if args.version or args.check_build:
         return None, args
+    if args.config_file:
+        from .config_file import ConfigFileError, read
+        try:
+            from_file = read(args.config_file)
+        except ConfigFileError as exc:
+            raise UsageError(str(exc)) from None
+        defaults = vars(parser.parse_args(["x"]))
+        for dest, value in from_file.items():
+            if getattr(args, dest, None) == defaults.get(dest):  # not given on the command line
+                setattr(args, dest, _log_level(str(value)) if dest == "log_level" else value)
     command: List[str] = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -249,8 +309,10 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         autotune=args.autotune,
         autotune_log_file=args.autotune_log_file,
         verbose=args.verbose,
-        stall_check_time_seconds=args.stall_check_time_seconds,
-        stall_shutdown_time_seconds=args.stall_shutdown_time_seconds,
+        stall_check_time_seconds=0 if args.stall_check is False else args.stall_check_time_seconds,
+        stall_shutdown_time_seconds=0 if args.stall_check is False else args.stall_shutdown_time_seconds,
+        cache_capacity=0 if args.disable_cache else args.cache_capacity,
+        log_level=args.log_level,
     )
     config = JobConfig(
         command=command, np=np, hosts=hosts,
@@ -259,7 +321,7 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         network_interface=args.network_interface, network_interfaces=interfaces,
         discovery=not args.no_network_discovery, start_timeout=args.start_timeout,
         grace_period=args.grace_period, output_dir=args.output_filename, knobs=knobs,
-        verbose=args.verbose,
+        verbose=args.verbose, output_timestamps=args.prefix_output_with_timestamp,
     )
     return config, args
 
@@ -274,10 +336,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the hvdliterun console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        config, _ = parse_config(argv)
+        config, args = parse_config(argv)
     except UsageError as exc:
         return _usage_error(str(exc))
     if config is None:
+        if args.version:
+            from hvdlite import __version__
+            print(f"hvdlite {__version__}")
+            return 0
         from .check_build import check_build
         return check_build(sys.stdout)
 

@@ -15,7 +15,8 @@ from typing import BinaryIO, IO, List, Optional
 
 class OutputMux:
     def __init__(self, stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
-                 output_dir: Optional[str] = None) -> None:
+                 output_dir: Optional[str] = None, timestamps: bool = False) -> None:
+        self._timestamps = timestamps  # --prefix-output-with-timestamp
         self._out = stdout or sys.stdout
         self._err = stderr or sys.stderr
         self._dir = output_dir
@@ -51,7 +52,11 @@ class OutputMux:
                 line = raw.decode(errors="replace")
                 if not line.endswith("\n"):
                     line += "\n"  # a last line without newline still ends whole
-                self.write_line(prefix + line, sink)
+                if self._timestamps:  # "[1]<stdout>[Mon Nov 30 21:20:06 2026]: ..."
+                    stamp = time.strftime("%a %b %d %H:%M:%S %Y")
+                    self.write_line(f"{prefix[:-2]}[{stamp}]: {line}", sink)
+                else:
+                    self.write_line(prefix + line, sink)
         except (OSError, ValueError):
             pass  # the pipe was closed under us while stopping
         finally:

@@ -47,6 +47,48 @@ def test_parse_config_network_and_ssh_config_flags():
     assert not config.discovery
 
 
+def test_parse_config_takes_horovodruns_flags(capsys):
+    config, _ = parse_config(["-np", "2", "--stall-check-warning-time-seconds", "30",
+                              "--stall-check-shutdown-time-seconds", "90", "--cache-capacity", "16",
+                              "--log-level", "FATAL", "--timeline-mark-cycles", "--gloo",
+                              "--prefix-output-with-timestamp", "--fusion-threshold-mb", "0", "x"])
+    assert config.knobs.core_env() == {
+        "HVDLITE_STALL_CHECK_TIME_SECONDS": "30", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "90",
+        "HVDLITE_CACHE_CAPACITY": "16", "HVDLITE_LOG_LEVEL": "error", "HVDLITE_FUSION_THRESHOLD": "0"}
+    assert config.output_timestamps
+    config, _ = parse_config(["-np", "2", "--no-stall-check", "--disable-cache", "x"])
+    assert config.knobs.core_env() == {"HVDLITE_STALL_CHECK_TIME_SECONDS": "0",
+                                       "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "0",
+                                       "HVDLITE_CACHE_CAPACITY": "0"}
+    from hvdlite import __version__
+    from hvdlite.runner.launch import main
+    assert main(["--version"]) == 0 and main(["-v"]) == 0
+    assert capsys.readouterr().out == f"hvdlite {__version__}\n" * 2
+
+
+@pytest.mark.parametrize("flag", ["--mpi", "--jsrun"])
+def test_parse_config_mpi_and_jsrun_say_what_to_use_instead(flag):
+    with pytest.raises(UsageError, match=f"{flag}: hvdlite has no MPI or jsrun controller"):
+        parse_config(["-np", "2", flag, "x"])
+
+
+def test_parse_config_reads_horovodruns_config_file_and_flags_win(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "hvd.yaml"
+    path.write_text("params:\n  fusion_threshold_mb: 32\n  cycle_time_ms: 5\n  hierarchical_allreduce: false\n"
+                    "autotune:\n  enabled: true\n  log_file: tune.csv\n"
+                    "stall_check:\n  warning_time_seconds: 20\n  shutdown_time_seconds: 40\n"
+                    "timeline:\n  filename: t.json\n  mark_cycles: true\nlogging:\n  level: DEBUG\n")
+    config, _ = parse_config(["-np", "2", "--config-file", str(path), "--cycle-time-ms", "1", "x"])
+    assert config.knobs.core_env() == {
+        "HVDLITE_FUSION_THRESHOLD": str(32 << 20), "HVDLITE_CYCLE_TIME": "1", "HVDLITE_AUTOTUNE": "1",
+        "HVDLITE_AUTOTUNE_LOG": "tune.csv", "HVDLITE_TIMELINE": "t.json", "HVDLITE_LOG_LEVEL": "debug",
+        "HVDLITE_STALL_CHECK_TIME_SECONDS": "20", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "40"}
+    path.write_text("params:\n  fusion_threshold: 1\n")
+    with pytest.raises(UsageError, match="unknown key params.fusion_threshold"):
+        parse_config(["-np", "2", "--config-file", str(path), "x"])
+
+
 def test_parse_config_check_build_needs_no_command():
     config, args = parse_config(["--check-build"])
     assert config is None and args.check_build
