@@ -191,6 +191,7 @@ PYBIND11_MODULE(_core, m) {
              return results;
            },
            py::call_guard<py::gil_scoped_release>())
+      .def("set_timeline", &Engine::SetTimeline, py::arg("path"), py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::Shutdown, py::arg("reason") = "", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)

@@ -136,6 +136,29 @@ Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* au
   return Status::Ok();
 }
 
+bool Engine::SetTimeline(const std::string& path) {
+  std::unique_lock<std::mutex> lock(timeline_mu_);
+  timeline_path_ = path;
+  const uint64_t mine = ++timeline_requested_;
+  lock.unlock();
+  queue_.Wake();
+  lock.lock();
+  while (timeline_applied_ < mine) {
+    if (stopped_) return false;
+    timeline_cv_.wait_for(lock, std::chrono::milliseconds(50));
+    queue_.Wake();
+  }
+  return true;
+}
+
+void Engine::ApplyTimelineRequest() {
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  if (timeline_applied_ == timeline_requested_) return;
+  timeline_.Start(timeline_path_);
+  timeline_applied_ = timeline_requested_;
+  timeline_cv_.notify_all();
+}
+
 void Engine::Shutdown(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(shutdown_mu_);
@@ -147,6 +170,10 @@ void Engine::Shutdown(const std::string& reason) {
 }
 
 void Engine::Loop() {
+  struct MarkStopped {
+    std::atomic<bool>& flag;
+    ~MarkStopped() { flag = true; }
+  } mark{stopped_};
   at::NoGradGuard no_grad;
   // The pauses of Note [Cycle policy] are tens of microseconds; the default timer slack
   // (50 us) would more than double them.
@@ -156,6 +183,7 @@ void Engine::Loop() {
   auto backoff = Millis(0.1);
   bool stuck = false;
   while (true) {
+    ApplyTimelineRequest();  // hvd.start_timeline / stop_timeline
     // Note [Cycle policy]
     const bool has_new = queue_.HasNew();
     const bool waiting = queue_.HasInFlight();

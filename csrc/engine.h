@@ -51,6 +51,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -98,6 +99,9 @@ class Engine {
   Status Poll(int64_t handle, bool* done);
   // `aux`: alltoall's received splits, join's last rank (else empty).
   Status Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux);
+  // Starts writing the timeline to `path` (empty: stops it); returns once the background thread
+  // has switched, false if the engine has stopped.
+  bool SetTimeline(const std::string& path);
   // Blocks until the background thread has stopped; idempotent. `reason` travels to the other
   // ranks, whose pending operations then fail quoting it ("exiting after RuntimeError: ...").
   void Shutdown(const std::string& reason = "");
@@ -138,6 +142,12 @@ class Engine {
   TunedParams params_;                // in effect this round: rank 0's (Note [Autotune])
   std::unique_ptr<Autotuner> tuner_;  // rank 0 with HVDLITE_AUTOTUNE=1 only
   std::atomic<bool> shutdown_requested_{false};
+  void ApplyTimelineRequest();
+  std::mutex timeline_mu_;
+  std::condition_variable timeline_cv_;
+  std::string timeline_path_;              // under timeline_mu_
+  uint64_t timeline_requested_ = 0, timeline_applied_ = 0;  // under timeline_mu_
+  std::atomic<bool> stopped_{false};       // the background thread has exited
   std::mutex shutdown_mu_;
   std::string shutdown_reason_;  // under shutdown_mu_; set before shutdown_requested_
   std::atomic<int64_t> name_counter_{0};

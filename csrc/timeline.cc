@@ -39,9 +39,18 @@ int64_t MonotonicMicros() {
       .count();
 }
 
-Timeline::Timeline(const std::string& path, int rank, int size) : rank_(rank) {
+Timeline::Timeline(const std::string& path, int rank, int size) : rank_(rank), size_(size) {
+  Start(path);
+}
+
+Timeline::~Timeline() { Stop(); }
+
+void Timeline::Start(const std::string& path) {
+  Stop();
   if (path.empty()) return;
-  file_ = std::fopen(RankPath(path, rank, size).c_str(), "w");
+  file_ = std::fopen(RankPath(path, rank_, size_).c_str(), "w");
+  first_ = true;
+  rows_.clear();
   if (file_ != nullptr) {
     std::fputs("[\n", file_);
     Write("{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": " + std::to_string(rank_) +
@@ -49,10 +58,11 @@ Timeline::Timeline(const std::string& path, int rank, int size) : rank_(rank) {
   }
 }
 
-Timeline::~Timeline() {
+void Timeline::Stop() {
   if (file_ == nullptr) return;
   std::fputs("\n]\n", file_);
   std::fclose(file_);
+  file_ = nullptr;
 }
 
 int Timeline::Row(const std::string& row) {

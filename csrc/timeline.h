@@ -4,7 +4,8 @@
 // (enqueue until every rank had submitted it) and its execution phases (COPY_IN, COLLECTIVE,
 // COPY_OUT, or INLINE for tensors that travelled inside the negotiation round), and a
 // "rounds" row with one marker per negotiation round that did something.
-// Written only by the background thread; when disabled every call returns at once.
+// Written only by the background thread; when disabled every call returns at once. Start() and
+// Stop() switch it at run time (hvd.start_timeline / stop_timeline, through the engine).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,9 @@ class Timeline {
  public:
   Timeline(const std::string& path, int rank, int size);
   ~Timeline();
+  // Closes the current file, if any, and starts writing `path` (this rank's name for it).
+  void Start(const std::string& path);
+  void Stop();
   Timeline(const Timeline&) = delete;
   Timeline& operator=(const Timeline&) = delete;
 
@@ -33,6 +37,7 @@ class Timeline {
 
   std::FILE* file_ = nullptr;
   int rank_;
+  int size_;
   bool first_ = true;
   std::unordered_map<std::string, int> rows_;
 };

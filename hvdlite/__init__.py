@@ -19,7 +19,7 @@ _EXPORTS = {
     # basics
     **dict.fromkeys(
         ["ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
-         "gloo_enabled", "init", "is_homogeneous", "rocm_built",
+         "gloo_enabled", "init", "is_homogeneous", "rocm_built", "start_timeline", "stop_timeline",
          "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
          "mpi_threads_supported", "nccl_built", "rank", "shutdown", "size"], "basics"),
     "Compression": "compression",

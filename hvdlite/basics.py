@@ -167,6 +167,20 @@ def _shutdown(reason):
                 state.sets[set_id].engine.shutdown(reason)
 
 
+def start_timeline(file_path, mark_cycles=False):
+    """Starts writing this rank's timeline (a Chrome trace; see HVDLITE_TIMELINE) to
+    ``file_path`` ("trace.json" becomes "trace.rank1.json" in a job of several ranks), closing
+    one that was being written. Negotiation rounds are always marked, so ``mark_cycles`` only
+    exists for horovod.torch's signature. Returns once the engine writes the new file."""
+    if not _current().engine.set_timeline(str(file_path)):
+        raise ValueError("start_timeline: hvdlite's engine has stopped")
+
+
+def stop_timeline():
+    """Stops writing the timeline and closes its file (a no-op when none is written)."""
+    _current().engine.set_timeline("")
+
+
 def is_initialized():
     """True between ``init()`` and ``shutdown()``."""
     return _state.peek() is not None

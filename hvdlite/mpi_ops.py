@@ -4,7 +4,7 @@
 from .basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,  # noqa: F401
                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-                     shutdown, size)
+                     shutdown, size, start_timeline, stop_timeline)
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_,  # noqa: F401
                   allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_,
                   broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_,

@@ -40,3 +40,31 @@ def test_timeline_is_a_valid_chrome_trace_with_per_tensor_phases(tmp_path):
         assert spans["gathered"][0] == "NEGOTIATE" and "COLLECTIVE" in spans["gathered"]
         assert any(e.get("name") == "round" and e["ph"] == "i" for e in events)
 
+
+
+def _started_at_run_time(directory):
+    hvd.init()
+    hvd.allreduce(torch.ones(8), name="before")               # no timeline yet
+    hvd.start_timeline(f"{directory}/first.json", mark_cycles=True)
+    hvd.allreduce(torch.ones(8), name="during.first")
+    hvd.start_timeline(f"{directory}/second.json")            # closes the first, opens the second
+    hvd.allreduce(torch.ones(8), name="during.second")
+    hvd.stop_timeline()                                       # closed when this returns
+    hvd.allreduce(torch.ones(8), name="after")
+    hvd.stop_timeline()                                       # nothing to stop: a no-op
+    hvd.shutdown()
+    return True
+
+
+def _rows(path):
+    with open(path) as f:
+        events = json.load(f)  # a complete, valid JSON array: the file was closed
+    return {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+
+
+def test_timeline_started_and_stopped_at_run_time(tmp_path):
+    assert all(run_ranks(2, __name__, "_started_at_run_time", str(tmp_path)))
+    for rank in range(2):
+        first, second = _rows(tmp_path / f"first.rank{rank}.json"), _rows(tmp_path / f"second.rank{rank}.json")
+        assert "during.first" in first and not {"before", "during.second", "after"} & first
+        assert "during.second" in second and not {"before", "during.first", "after"} & second
