@@ -19,17 +19,32 @@ c10d::ReduceOp ToC10d(ReduceOp op) {
 // created, torch takes the GIL to free the Python object, and a thread that holds the GIL
 // while waiting for that worker (a process group being destroyed from Python) deadlocks with
 // it. So c10d only ever gets tensors without a Python object: a new tensor on the same storage
-// (not a view: a view keeps a reference to its base, the Python tensor).
+// (not a view: a view keeps a reference to its base, the Python tensor). ByteRows below makes
+// such aliases too.
 at::Tensor Unowned(const at::Tensor& t) {
   at::Tensor alias = at::empty({0}, t.options());
   alias.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
   return alias;
 }
 
-std::vector<at::Tensor> Unowned(const std::vector<at::Tensor>& tensors) {
+// Note [Collectives that move bytes]: broadcast, allgather and alltoall only move data, so
+// they get an alias of the (contiguous) tensor as [rows, bytes per row] of uint8. Every dtype
+// torch has then travels (Gloo itself refuses int16, uint16, float8, ...), and alltoall's
+// splits, counted in rows, keep their meaning.
+at::Tensor ByteRows(const at::Tensor& t) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  const int64_t row_bytes = rows == 0 ? 0 : bytes / rows;
+  at::Tensor alias = at::empty({0}, t.options().dtype(at::kByte));
+  alias.set_(t.storage(), t.storage_offset() * static_cast<int64_t>(t.element_size()), {rows, row_bytes},
+             {row_bytes, 1});
+  return alias;
+}
+
+std::vector<at::Tensor> ByteRows(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> aliases;
   aliases.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) aliases.push_back(Unowned(t));
+  for (const at::Tensor& t : tensors) aliases.push_back(ByteRows(t));
   return aliases;
 }
 
@@ -46,15 +61,15 @@ class C10dBackend final : public CollectiveBackend {
   }
 
   void Broadcast(at::Tensor& tensor, int root) override {
-    std::vector<at::Tensor> tensors{Unowned(tensor)};
+    std::vector<at::Tensor> tensors{ByteRows(tensor)};  // Note [Collectives that move bytes]
     c10d::BroadcastOptions options;
     options.rootRank = root;
     Finish(backend_->broadcast(tensors, options));
   }
 
   void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) override {
-    std::vector<at::Tensor> inputs{Unowned(input)};
-    std::vector<std::vector<at::Tensor>> output_lists{Unowned(outputs)};
+    std::vector<at::Tensor> inputs{ByteRows(input)};  // Note [Collectives that move bytes]
+    std::vector<std::vector<at::Tensor>> output_lists{ByteRows(outputs)};
     Finish(backend_->allgather(output_lists, inputs));
     // The backend wrote into the storage of `outputs`; nothing to copy back.
   }
@@ -63,7 +78,7 @@ class C10dBackend final : public CollectiveBackend {
                 const std::vector<int64_t>& input_splits) override {
     // c10d may move from the split vectors it is given: it gets copies.
     std::vector<int64_t> output_counts = output_splits, input_counts = input_splits;
-    at::Tensor out = Unowned(output), in = Unowned(input);
+    at::Tensor out = ByteRows(output), in = ByteRows(input);  // Note [Collectives that move bytes]
     Finish(backend_->alltoall_base(out, in, output_counts, input_counts));
   }
 

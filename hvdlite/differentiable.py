@@ -145,7 +145,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     input before the reduction and ``postscale_factor`` the result after it. Integer averages
     truncate toward zero. ``compression`` casts on the wire. Differentiable. Synchronizes.
     """
-    ops._check_tensor("allreduce", tensor)
+    ops._check_tensor("allreduce", tensor, dtypes=ops._REDUCIBLE)
     op = ops._resolve_op("allreduce", average, op)
     compressed, ctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
@@ -155,7 +155,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduces a list of tensors as one fused operation; returns the list. Differentiable."""
-    tensors = ops._check_tensors("grouped_allreduce", tensors)
+    tensors = ops._check_tensors("grouped_allreduce", tensors, dtypes=ops._REDUCIBLE)
     op = ops._resolve_op("grouped_allreduce", average, op)
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
@@ -168,7 +168,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
     Differentiable. Synchronizes.
     """
-    ops._check_tensor("allgather", tensor)
+    ops._check_tensor("allgather", tensor, dtypes=ops._ANY_DTYPE)
     if not tensor.requires_grad:
         return ops.synchronize(ops.allgather_async(tensor, name, process_set))
     return _Allgather.apply(tensor, name, process_set)
@@ -177,13 +177,13 @@ def allgather(tensor, name=None, process_set=global_process_set):
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Allgather of each tensor in a list, negotiated as a unit; returns the list.
     Differentiable (each gradient as allgather's). Synchronizes."""
-    ops._check_tensors("grouped_allgather", tensors)
+    ops._check_tensors("grouped_allgather", tensors, dtypes=ops._ANY_DTYPE)
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Returns ``root_rank``'s ``tensor`` on every rank (a new tensor). Differentiable."""
-    ops._check_tensor("broadcast", tensor)
+    ops._check_tensor("broadcast", tensor, dtypes=ops._ANY_DTYPE)
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
@@ -193,7 +193,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
     Without ``splits``, dimension 0 is divided evenly. Differentiable. Synchronizes.
     """
-    ops._check_tensor("alltoall", tensor, min_dim=1)
+    ops._check_tensor("alltoall", tensor, min_dim=1, dtypes=ops._ANY_DTYPE)
     if splits is not None:
         return _Alltoall.apply(tensor, splits, name, process_set)
     _, runtime = ops._runtime("alltoall", process_set)
@@ -207,7 +207,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=ops.Averag
     """Reduces ``tensor`` over the set (Average or Sum) and returns this rank's rows of the
     result; dimension 0 is split as evenly as possible. Differentiable. Synchronizes.
     """
-    ops._check_tensor("reducescatter", tensor, min_dim=1)
+    ops._check_tensor("reducescatter", tensor, min_dim=1, dtypes=ops._REDUCIBLE)
     compressed, ctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)
@@ -216,7 +216,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=ops.Averag
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=ops.Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reducescatter of each tensor in a list, negotiated and fused as a unit; returns the list."""
-    tensors = ops._check_tensors("grouped_reducescatter", tensors, min_dim=1)
+    tensors = ops._check_tensors("grouped_reducescatter", tensors, min_dim=1, dtypes=ops._REDUCIBLE)
     pairs = [compression.compress(t) for t in tensors]
     outs = ops.synchronize(ops.grouped_reducescatter_async(
         [p[0] for p in pairs], name, op, process_set, prescale_factor, postscale_factor))

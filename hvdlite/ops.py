@@ -53,10 +53,24 @@ class _Pending:
 # ---- argument checks: local mistakes raise TypeError / ValueError at the call -------------------
 
 _SUPPORTED_DTYPE_SET = frozenset(_SUPPORTED_DTYPES)
+# Reduced through int32 and cast back (two's complement: sums wrap as they would in int16).
+_WIDENED = {torch.int16: torch.int32}
 
 
-def _check_tensor(fn, tensor, what="tensor", min_dim=0):
-    if (isinstance(tensor, torch.Tensor) and tensor.dtype in _SUPPORTED_DTYPE_SET
+class _AnyDtype:
+    """For collectives that only move bytes (Note [Collectives that move bytes] in
+    csrc/backend_c10d.cc): every dtype torch has."""
+
+    def __contains__(self, dtype):
+        return True
+
+
+_ANY_DTYPE = _AnyDtype()
+_REDUCIBLE = frozenset(_SUPPORTED_DTYPES) | frozenset(_WIDENED)
+
+
+def _check_tensor(fn, tensor, what="tensor", min_dim=0, dtypes=_SUPPORTED_DTYPE_SET):
+    if (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes
             and tensor.layout == torch.strided and (tensor.is_cpu or tensor.is_cuda)
             and (min_dim == 0 or tensor.dim() >= min_dim)):
         return  # the common case, in one test; the checks below say what is wrong
@@ -65,8 +79,8 @@ def _check_tensor(fn, tensor, what="tensor", min_dim=0):
     if tensor.layout != torch.strided:
         raise TypeError(f"{fn}: '{what}' is a {tensor.layout} tensor; only dense (strided) tensors "
                         "are supported (densify sparse tensors with .to_dense())")
-    if tensor.dtype not in _SUPPORTED_DTYPES:
-        supported = ", ".join(str(d).replace("torch.", "") for d in _SUPPORTED_DTYPES)
+    if tensor.dtype not in dtypes:
+        supported = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{fn}: '{what}' has dtype {str(tensor.dtype).replace('torch.', '')}, "
                         f"which hvdlite does not support; supported: {supported}")
     if tensor.device.type not in ("cpu", "cuda"):
@@ -76,11 +90,11 @@ def _check_tensor(fn, tensor, what="tensor", min_dim=0):
                          f"{tensor.dim()}-d tensor")
 
 
-def _check_tensors(fn, tensors, min_dim=0):
+def _check_tensors(fn, tensors, min_dim=0, dtypes=_SUPPORTED_DTYPE_SET):
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise TypeError(f"{fn}: expected a non-empty list of tensors, got {type(tensors).__name__}")
     for i, t in enumerate(tensors):
-        _check_tensor(fn, t, f"tensors[{i}]", min_dim)
+        _check_tensor(fn, t, f"tensors[{i}]", min_dim, dtypes)
     return list(tensors)
 
 
@@ -202,13 +216,42 @@ def _allreduce(fn, tensors, in_place, average, name, op, prescale_factor, postsc
     pre = _check_scale(fn, "prescale_factor", prescale_factor)
     post = _check_scale(fn, "postscale_factor", postscale_factor)
     name = _check_name(fn, name)
+    originals, tensors = tensors, _widen(tensors)
     outputs = list(tensors) if in_place else [_contiguous_like(t) for t in tensors]
+    finish = _narrowing(originals, tensors, _tensors if grouped else _first, in_place)
     if grouped:
         group, names = _group_names(fn, process_set, name, len(tensors))
-        return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, names, _tensors, op=op,
+        return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, names, finish, op=op,
                        prescale=pre, postscale=post, group=group)
-    return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, [name], _first, op=op,
+    return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, [name], finish, op=op,
                    prescale=pre, postscale=post)
+
+
+def _widen(tensors):
+    """Tensors of a dtype the transport cannot reduce (int16), as the wider dtype (int32)."""
+    if not any(t.dtype in _WIDENED for t in tensors):
+        return tensors
+    return [t.to(_WIDENED[t.dtype]) if t.dtype in _WIDENED else t for t in tensors]
+
+
+def _narrowing(originals, tensors, finish, in_place):
+    """`finish`, followed by casting widened results back (into the originals when in place)."""
+    if tensors is originals:
+        return finish
+
+    def narrowed(outputs):
+        results = finish(outputs)
+        single = not isinstance(results, list)
+        back = []
+        for original, result in zip(originals, [results] if single else results):
+            if result.dtype == original.dtype:
+                back.append(result)
+            elif in_place:
+                back.append(original.copy_(result))  # the cast wraps around as int16 arithmetic would
+            else:
+                back.append(result.to(original.dtype))
+        return back[0] if single else back
+    return narrowed
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -218,7 +261,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     Returns a handle; the input must not change until ``synchronize()``. Every rank of the set
     must submit it. Integer averages truncate toward zero.
     """
-    _check_tensor("allreduce_async", tensor)
+    _check_tensor("allreduce_async", tensor, dtypes=_REDUCIBLE)
     return _allreduce("allreduce_async", [tensor], False, average, name, op, prescale_factor,
                       postscale_factor, process_set, grouped=False)
 
@@ -226,7 +269,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """In-place ``allreduce_async``: the result is written into ``tensor``."""
-    _check_tensor("allreduce_async_", tensor)
+    _check_tensor("allreduce_async_", tensor, dtypes=_REDUCIBLE)
     return _allreduce("allreduce_async_", [tensor], True, average, name, op, prescale_factor,
                       postscale_factor, process_set, grouped=False)
 
@@ -243,7 +286,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     """Starts one allreduce for a list of tensors, negotiated and fused as a unit: it runs when
     every member is ready on every rank, or fails as a whole. ``synchronize()`` returns the list.
     """
-    tensors = _check_tensors("grouped_allreduce_async", tensors)
+    tensors = _check_tensors("grouped_allreduce_async", tensors, dtypes=_REDUCIBLE)
     return _allreduce("grouped_allreduce_async", tensors, False, average, name, op,
                       prescale_factor, postscale_factor, process_set, grouped=True)
 
@@ -251,7 +294,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place ``grouped_allreduce_async``."""
-    tensors = _check_tensors("grouped_allreduce_async_", tensors)
+    tensors = _check_tensors("grouped_allreduce_async_", tensors, dtypes=_REDUCIBLE)
     return _allreduce("grouped_allreduce_async_", tensors, True, average, name, op,
                       prescale_factor, postscale_factor, process_set, grouped=True)
 
@@ -271,7 +314,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     The first dimension may differ between ranks; the others must agree. A 0-d tensor counts
     as one row. Every rank of the set must submit it.
     """
-    _check_tensor("allgather_async", tensor)
+    _check_tensor("allgather_async", tensor, dtypes=_ANY_DTYPE)
     return _submit("allgather_async", process_set, _ALLGATHER, [tensor], [None],
                    [_check_name("allgather_async", name)], _first)
 
@@ -283,7 +326,7 @@ def _allgather_with_rows_async(tensor, name, process_set):
 
 
 def _grouped_allgather(fn, tensors, name, process_set, finish):
-    tensors = _check_tensors(fn, tensors)
+    tensors = _check_tensors(fn, tensors, dtypes=_ANY_DTYPE)
     group, names = _group_names(fn, process_set, _check_name(fn, name), len(tensors))
     return _submit(fn, process_set, _ALLGATHER, tensors, [None] * len(tensors), names, finish,
                    group=group)
@@ -302,7 +345,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
 # ---- broadcast ---------------------------------------------------------------------------------
 
 def _broadcast(fn, tensor, root_rank, name, process_set, in_place):
-    _check_tensor(fn, tensor)
+    _check_tensor(fn, tensor, dtypes=_ANY_DTYPE)
     _, runtime = _runtime(fn, process_set)
     root = _check_root(fn, root_rank, runtime)
     output = tensor if in_place else _contiguous_like(tensor)
@@ -362,7 +405,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     splits tensor's dtype (int32 when ``splits`` is not a tensor).
     """
     fn = "alltoall_async"
-    _check_tensor(fn, tensor, min_dim=1)
+    _check_tensor(fn, tensor, min_dim=1, dtypes=_ANY_DTYPE)
     _, runtime = _runtime(fn, process_set)
     values = _check_splits(fn, tensor, splits, runtime.size)
     dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
@@ -381,11 +424,13 @@ def _reducescatter(fn, tensors, name, op, prescale_factor, postscale_factor, pro
     pre = _check_scale(fn, "prescale_factor", prescale_factor)
     post = _check_scale(fn, "postscale_factor", postscale_factor)
     name = _check_name(fn, name)
+    originals, tensors = tensors, _widen(tensors)
+    finish = _narrowing(originals, tensors, _tensors if grouped else _first, in_place=False)
     if grouped:
         group, names = _group_names(fn, process_set, name, len(tensors))
         return _submit(fn, process_set, _REDUCESCATTER, tensors, [None] * len(tensors), names,
-                       _tensors, op=op, prescale=pre, postscale=post, group=group)
-    return _submit(fn, process_set, _REDUCESCATTER, tensors, [None], [name], _first, op=op,
+                       finish, op=op, prescale=pre, postscale=post, group=group)
+    return _submit(fn, process_set, _REDUCESCATTER, tensors, [None], [name], finish, op=op,
                    prescale=pre, postscale=post)
 
 
@@ -396,7 +441,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     Dimension 0 is split as evenly as possible, the first ``rows % size`` ranks getting one row
     more. Every rank of the set must submit it with the same shape.
     """
-    _check_tensor("reducescatter_async", tensor, min_dim=1)
+    _check_tensor("reducescatter_async", tensor, min_dim=1, dtypes=_REDUCIBLE)
     return _reducescatter("reducescatter_async", [tensor], name, op, prescale_factor,
                           postscale_factor, process_set, grouped=False)
 
@@ -404,7 +449,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
     """Starts a reducescatter of each tensor in a list, negotiated and fused as a unit."""
-    tensors = _check_tensors("grouped_reducescatter_async", tensors, min_dim=1)
+    tensors = _check_tensors("grouped_reducescatter_async", tensors, min_dim=1, dtypes=_REDUCIBLE)
     return _reducescatter("grouped_reducescatter_async", tensors, name, op, prescale_factor,
                           postscale_factor, process_set, grouped=True)
 

@@ -37,9 +37,11 @@ def _case(rng, size, index):
     if kind in ("alltoall", "reducescatter") and shape[0] == 0:
         shape[0] = size
     flaw = rng.choice(["none"] * 5 + ["mismatch", "bad-arg"])
-    applicable = ["non-tensor", "name-type", "dtype"] + {
-        "allreduce": ["scale", "op"], "allreduce_": ["scale", "op"], "grouped_allreduce": ["scale", "op"],
-        "broadcast": ["root"], "alltoall": ["splits"], "reducescatter": ["scale"]}.get(kind, [])
+    # a complex tensor is a bad argument only to reductions: collectives that move bytes take it
+    applicable = ["non-tensor", "name-type"] + {
+        "allreduce": ["scale", "op", "dtype"], "allreduce_": ["scale", "op", "dtype"],
+        "grouped_allreduce": ["scale", "op", "dtype"], "broadcast": ["root"], "alltoall": ["splits"],
+        "reducescatter": ["scale", "dtype"]}.get(kind, [])
     name = rng.choice(NAMES)
     if name is not None and name != "":
         name = f"{name}#{index}"  # unique per case, so no name is in flight twice

@@ -174,3 +174,66 @@ def test_scale_factors_on_integer_and_half_tensors_match_horovod_to_the_bit():
     for rank, out in enumerate(run_ranks(2, __name__, "_scaled", dtypes)):
         bad = {k: v for k, v in out.items() if v is not True}
         assert not bad, f"rank {rank}: {bad}"
+
+
+MOVED_DTYPES = ["bool", "int16", "uint16", "complex64", "complex128", "bfloat16", "float8_e4m3fn", "uint8"]
+
+
+def _pattern(dtype, rank, n):
+    values = torch.arange(n, dtype=torch.float64) * (rank + 1) + rank
+    if dtype == torch.bool:
+        return values.remainder(2) == 1
+    if dtype.is_complex:
+        return torch.complex(values, -values).to(dtype)
+    return values.remainder(7).to(dtype)
+
+
+def _every_dtype(names):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    bad = []
+    for name in names:
+        dtype = getattr(torch, name, None)
+        if dtype is None:
+            continue
+        mine = [_pattern(dtype, r, 3 * (r + 1)).reshape(r + 1, 3) for r in range(size)]
+        gathered = hvd.allgather(mine[rank], name=f"ag.{name}")
+        if not torch.equal(gathered.view(torch.uint8), torch.cat(mine).view(torch.uint8)):
+            bad.append(("allgather", name))
+        (g0, g1) = hvd.grouped_allgather([mine[rank], mine[rank][:1]], name=f"gag.{name}")
+        if not torch.equal(g1.view(torch.uint8), torch.cat([m[:1] for m in mine]).view(torch.uint8)):
+            bad.append(("grouped_allgather", name))
+        t = _pattern(dtype, rank, 5)
+        hvd.broadcast_(t, root_rank=size - 1, name=f"bc.{name}")
+        if not torch.equal(t.view(torch.uint8), _pattern(dtype, size - 1, 5).view(torch.uint8)):
+            bad.append(("broadcast_", name))
+        rows = _pattern(dtype, rank, size * 4).reshape(size * 2, 2)
+        got, splits = hvd.alltoall(rows, splits=[2] * size, name=f"a2a.{name}")
+        want = torch.cat([_pattern(dtype, s, size * 4).reshape(size * 2, 2)[2 * rank:2 * rank + 2]
+                          for s in range(size)])
+        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)) or splits.tolist() != [2] * size:
+            bad.append(("alltoall", name))
+    # int16 reductions, through int32 and back: sums wrap around as in int16 arithmetic
+    x = torch.tensor([30000, -30000, 7, -7, 1000], dtype=torch.int16)  # the same on every rank
+    want_sum = (x.to(torch.int32) * size).to(torch.int16)
+    for op, want in ((hvd.Sum, want_sum), (hvd.Min, x), (hvd.Max, x)):
+        got = hvd.allreduce(x, op=op, name=f"i16.{op}")
+        if got.dtype != torch.int16 or not torch.equal(got, want):
+            bad.append(("allreduce int16", op, got.tolist()))
+    y = x.clone()
+    hvd.synchronize(hvd.allreduce_async_(y, op=hvd.Sum, name="i16.inplace"))
+    if not torch.equal(y, want_sum):
+        bad.append(("allreduce_async_ int16", y.tolist()))
+    a, b = hvd.grouped_allreduce([x, x[:2]], op=hvd.Sum, name="i16.grouped")
+    if not (torch.equal(a, want_sum) and torch.equal(b, want_sum[:2]) and b.dtype == torch.int16):
+        bad.append(("grouped_allreduce int16",))
+    rs = hvd.reducescatter(torch.arange(size * 2, dtype=torch.int16), op=hvd.Sum, name="i16.rs")
+    if rs.dtype != torch.int16 or rs.tolist() != [size * v for v in range(2 * rank, 2 * rank + 2)]:
+        bad.append(("reducescatter int16", rs.tolist()))
+    hvd.shutdown()
+    return bad
+
+
+def test_collectives_that_move_bytes_take_every_dtype_and_int16_reduces():
+    for rank, bad in enumerate(run_ranks(2, __name__, "_every_dtype", MOVED_DTYPES, timeout=90)):
+        assert bad == [], f"rank {rank}: {bad}"
