@@ -37,7 +37,7 @@ _EXPORTS = {
          "allreduce_async", "allreduce_async_", "alltoall_async", "barrier", "broadcast_",
          "broadcast_async", "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_",
          "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter_async",
-         "join", "poll", "reducescatter_async", "synchronize"], "ops"),
+         "join", "poll", "reducescatter_async", "sparse_allreduce_async", "synchronize"], "ops"),
     "DistributedOptimizer": "optimizer",
     **dict.fromkeys(
         ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"],

@@ -9,7 +9,7 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allr
                   allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_,
                   broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_,
                   grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter_async,
-                  join, poll, reducescatter_async, synchronize)
+                  join, poll, reducescatter_async, sparse_allreduce_async, synchronize)
 from .differentiable import (allgather, allreduce, alltoall, broadcast, grouped_allgather,  # noqa: F401
                              grouped_allreduce, grouped_reducescatter, reducescatter)
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401

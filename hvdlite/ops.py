@@ -50,6 +50,17 @@ class _Pending:
         self.finish = finish  # list of (tensor, aux) from the engine -> what synchronize() returns
 
 
+class _Combined:
+    """A handle made of other handles (sparse_allreduce_async): synchronize() waits for all of
+    them, then returns finish(their results)."""
+
+    __slots__ = ("handles", "finish")
+
+    def __init__(self, handles, finish):
+        self.handles = handles
+        self.finish = finish
+
+
 # ---- argument checks: local mistakes raise TypeError / ValueError at the call -------------------
 
 _SUPPORTED_DTYPE_SET = frozenset(_SUPPORTED_DTYPES)
@@ -342,6 +353,36 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     return _grouped_allgather("grouped_allgather_async", tensors, name, process_set, _tensors)
 
 
+# ---- sparse allreduce --------------------------------------------------------------------------
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Starts reducing a sparse COO tensor over the set, as horovod.torch does: every rank's
+    indices and values are allgathered, and ``synchronize()`` returns the sparse sum (divided by
+    the set's size for Average), uncoalesced. Only Sum and Average."""
+    fn = "sparse_allreduce_async"
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError(f"{fn}: expected a sparse COO tensor, got "
+                        f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tensor.layout}")
+    op = _resolve_op(fn, None, op, allowed=(Average, Sum))
+    name = _check_name(fn, name) or f"hvdlite.sparse.{next(_runtime(fn, process_set)[1].name_ids)}"
+    t = tensor.coalesce()
+    # allgather concatenates along dimension 0: indices travel transposed, one row per entry
+    h_indices = allgather_async(t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    h_values = allgather_async(t.values().contiguous(), name=f"{name}.values", process_set=process_set)
+    size = _runtime(fn, process_set)[1].size
+
+    def finish(results):
+        indices, values = results
+        if op == Average:
+            values = values / size
+        return torch.sparse_coo_tensor(indices.t(), values, t.shape)
+
+    state = _state.current()
+    handle = next(state.handle_ids)
+    state.handles[handle] = _Combined([h_indices, h_values], finish)
+    return handle
+
+
 # ---- broadcast ---------------------------------------------------------------------------------
 
 def _broadcast(fn, tensor, root_rank, name, process_set, in_place):
@@ -486,6 +527,8 @@ def poll(handle):
     pending = _state.current().handles.get(handle)
     if pending is None:
         raise ValueError(f"poll: unknown handle {handle!r} (already synchronized?)")
+    if isinstance(pending, _Combined):
+        return all(poll(h) for h in pending.handles)
     return all(pending.engine.poll(h) for h in pending.core_handles)
 
 
@@ -513,6 +556,8 @@ def synchronize(handle):
     pending = state.handles.pop(handle, None)
     if pending is None:
         raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
+    if isinstance(pending, _Combined):
+        return pending.finish(_synchronize_all(pending.handles))
     try:
         if len(pending.core_handles) == 1:
             outputs = [pending.engine.wait(pending.core_handles[0])]

@@ -382,24 +382,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._record(_Reduction(dense, handle, finish))
 
     def _submit_sparse(self, p):
-        """Allgathers a sparse gradient's indices and values; the result is their coalesced sum
-        (divided by size for Average)."""
+        """A sparse gradient through sparse_allreduce_async (compressed values); the result is
+        coalesced and stays sparse, so sparse optimizers (SparseAdam) get what they expect."""
         grad = p.grad.coalesce()
-        name = self._names[p]
         self._sparse_dims[p] = grad.sparse_dim()
         values, ctx = self._compression.compress(grad.values().contiguous())
-        h_indices = ops.allgather_async(grad.indices().t().contiguous(), name=name + ".indices",
-                                        process_set=self._process_set)
-        h_values = ops.allgather_async(values, name=name + ".values", process_set=self._process_set)
-        scale = 1.0 / self._size if self._op == ops.Average else 1.0
-        compression, shape = self._compression, grad.shape
+        wire = torch.sparse_coo_tensor(grad.indices(), values, grad.shape)
+        handle = ops.sparse_allreduce_async(wire, name=self._names[p], op=self._op,
+                                            process_set=self._process_set)
+        compression = self._compression
 
-        def finish(_result):
-            results = ops._synchronize_all((h_indices, h_values))  # both, before raising
-            gathered = compression.decompress(results[1], ctx)
-            p.grad = torch.sparse_coo_tensor(results[0].t(), gathered * scale, shape).coalesce()
+        def finish(result):
+            result = result.coalesce()
+            p.grad = torch.sparse_coo_tensor(result.indices(), compression.decompress(result.values(), ctx),
+                                             result.shape).coalesce()
 
-        return _Reduction([p], None, finish)  # finish waits for its two handles itself
+        return _Reduction([p], handle, finish)
 
     def _zero_gradient(self, p):
         """What a rank contributes for a parameter it has no gradient for: zeros, sparse (no

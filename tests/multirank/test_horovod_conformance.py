@@ -237,3 +237,42 @@ def _every_dtype(names):
 def test_collectives_that_move_bytes_take_every_dtype_and_int16_reduces():
     for rank, bad in enumerate(run_ranks(2, __name__, "_every_dtype", MOVED_DTYPES, timeout=90)):
         assert bad == [], f"rank {rank}: {bad}"
+
+
+def _sparse():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    # sparse_allreduce_async: the coalesced sum (or average) of every rank's sparse tensor
+    t = torch.sparse_coo_tensor(torch.tensor([[rank, 3]]), torch.tensor([1.0 + rank, 10.0]), (5,))
+    summed = hvd.synchronize(hvd.sparse_allreduce_async(t, name="sp", op=hvd.Sum)).coalesce()
+    averaged = hvd.synchronize(hvd.sparse_allreduce_async(t, name="sp.avg", op=hvd.Average)).to_dense()
+    dense_want = torch.zeros(5)
+    for r in range(size):
+        dense_want[r] += 1.0 + r
+        dense_want[3] += 10.0
+    out = {"sum": summed.is_sparse and torch.equal(summed.to_dense(), dense_want),
+           "avg": torch.allclose(averaged, dense_want / size)}
+    # sparse gradients reach the optimizer sparse (SparseAdam refuses dense ones)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    hvd.broadcast_parameters(emb.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters())
+    before = emb.weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        emb(torch.tensor([rank, 4])).sum().backward()
+        opt.step()
+    out["grad_sparse"] = emb.weight.grad.is_sparse
+    out["moved_rows"] = sorted(set((emb.weight.detach() != before).any(1).nonzero().flatten().tolist()))
+    out["weights"] = emb.weight.detach().tolist()
+    hvd.shutdown()
+    return out
+
+
+def test_sparse_allreduce_and_sparse_gradients_reach_the_optimizer_sparse():
+    results = run_ranks(2, __name__, "_sparse")
+    for out in results:
+        assert out["sum"] and out["avg"]
+        assert out["grad_sparse"] and out["moved_rows"] == [0, 1, 4]  # every rank's rows, reduced
+    assert results[0]["weights"] == results[1]["weights"]
