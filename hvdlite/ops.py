@@ -126,15 +126,16 @@ def _check_scale(fn, arg, value):
     return value
 
 
-def _resolve_op(fn, average, op, allowed=(Average, Sum, Min, Max, Product)):
+def _resolve_op(fn, average, op, allowed=(Average, Sum, Min, Max, Product, Adasum)):
     if average is not None:
         if op is not None:
             raise ValueError(f"{fn}: pass either op= or the deprecated average=, not both")
         return Average if average else Sum
     if op is None:
         return Average
-    if op == Adasum and not isinstance(op, bool):
-        raise ValueError(f"{fn}: op=Adasum is not supported by hvdlite")
+    if op == Adasum and not isinstance(op, bool) and Adasum not in allowed:
+        raise ValueError(f"{fn}: op=Adasum is not supported here (as in horovod.torch); Adasum is "
+                         "an allreduce")
     if isinstance(op, bool) or op not in allowed:
         names = ", ".join(_OP_NAMES[o] for o in allowed)
         raise ValueError(f"{fn}: op must be one of {names}; got {op!r}")
@@ -227,6 +228,8 @@ def _allreduce(fn, tensors, in_place, average, name, op, prescale_factor, postsc
     pre = _check_scale(fn, "prescale_factor", prescale_factor)
     post = _check_scale(fn, "postscale_factor", postscale_factor)
     name = _check_name(fn, name)
+    if op == Adasum:
+        return _adasum(fn, tensors, in_place, name, pre, post, process_set, grouped)
     originals, tensors = tensors, _widen(tensors)
     outputs = list(tensors) if in_place else [_contiguous_like(t) for t in tensors]
     finish = _narrowing(originals, tensors, _tensors if grouped else _first, in_place)
@@ -236,6 +239,25 @@ def _allreduce(fn, tensors, in_place, average, name, op, prescale_factor, postsc
                        prescale=pre, postscale=post, group=group)
     return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, [name], finish, op=op,
                    prescale=pre, postscale=post)
+
+
+def _adasum(fn, tensors, in_place, name, pre, post, process_set, grouped):
+    """op=Adasum (hvdlite/adasum.py): computed at the call, per tensor; the handle then holds the
+    results."""
+    from .adasum import adasum
+    state, runtime = _runtime(fn, process_set)
+    base = name or f"hvdlite.adasum.{next(runtime.name_ids)}"
+    results = []
+    for i, t in enumerate(tensors):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{fn}: op=Adasum needs floating-point tensors, got {t.dtype}")
+        out = adasum(t * pre if pre != 1.0 else t, f"{base}.{i}" if grouped else base, process_set)
+        if post != 1.0:
+            out = out * post
+        results.append(t.copy_(out) if in_place else out)
+    handle = next(state.handle_ids)
+    state.handles[handle] = _Combined([], lambda _: results if grouped else results[0])
+    return handle
 
 
 def _widen(tensors):

@@ -104,6 +104,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._process_set = process_set
         self._size = process_set.size()
         self._communicate = self._size > 1
+        # Note [Adasum optimizer]: with op=Adasum nothing is reduced in backward; step() runs the
+        # wrapped optimizer locally and combines the parameters' changes with Adasum, as
+        # horovod.torch's Adasum optimizer does.
+        self._adasum = op == ops.Adasum and self._communicate
 
         self._given_names = _named_parameter_map(named_parameters)
         self._names = {}            # parameter -> allreduce name
@@ -194,6 +198,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._adasum:
+            self._adasum_step()
+            return loss
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -212,6 +219,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer.step()
         return loss
 
+    def _adasum_step(self):
+        """Note [Adasum optimizer]: a local step, then every parameter's change is replaced by
+        the Adasum of all ranks' changes. Synchronizes with every rank."""
+        params = [p for p in self._names if p.requires_grad]
+        starts = [p.detach().clone() for p in params]
+        self._optimizer.step()
+        deltas = [p.detach() - start for p, start in zip(params, starts)]
+        if deltas:
+            combined = ops.synchronize(ops.grouped_allreduce_async(deltas, name="hvdlite.adasum.deltas",
+                                                                   op=ops.Adasum, process_set=self._process_set))
+            with torch.no_grad():
+                for p, start, delta in zip(params, starts, combined):
+                    p.copy_(start + delta)
+        self._synchronized = False
+
     def synchronize(self):
         """Submits the gradients whose hooks did not fire, waits for every reduction, and
         writes the results into ``p.grad``. Synchronizes with every rank.
@@ -219,7 +241,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Call it before modifying gradients (e.g. clipping), then call ``step()`` inside
         ``with optimizer.skip_synchronize():``.
         """
-        if not self._communicate:
+        if not self._communicate or self._adasum:
             self._synchronized = True
             return
         with self._lock:
@@ -303,7 +325,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _on_gradient(self, p):
         """Hook body (autograd's thread): count the pass, submit when it is the k-th."""
-        if not self._communicate or p not in self._names:
+        if not self._communicate or self._adasum or p not in self._names:
             return
         if self._no_sync:
             self._synchronized = False  # this gradient changed after any earlier synchronize()
@@ -436,9 +458,9 @@ def _remove_hooks(handles):
 
 
 def _check_options(op, predivide, passes, compression):
-    if op not in (ops.Average, ops.Sum) or isinstance(op, bool):
-        raise ValueError("DistributedOptimizer: op must be hvdlite.Average or hvdlite.Sum, "
-                         f"got {op!r}")
+    if op not in (ops.Average, ops.Sum, ops.Adasum) or isinstance(op, bool):
+        raise ValueError("DistributedOptimizer: op must be hvdlite.Average, hvdlite.Sum or "
+                         f"hvdlite.Adasum, got {op!r}")
     if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
         raise ValueError("DistributedOptimizer: gradient_predivide_factor must be a positive "
                          f"number, got {predivide!r}")

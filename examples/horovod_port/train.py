@@ -20,9 +20,15 @@ parser.add_argument("--lr", type=float, default=0.02)
 parser.add_argument("--momentum", type=float, default=0.9)
 parser.add_argument("--seed", type=int, default=42)
 parser.add_argument("--fp16-allreduce", action="store_true", default=False)
+parser.add_argument("--use-adasum", action="store_true", default=False)
+parser.add_argument("--num-groups", type=int, default=0)
+parser.add_argument("--timeline", default=None, help="write a timeline of the first epoch here")
 args = parser.parse_args()
 
 hvd.init()
+if hvd.rank() == 0:
+    print("ranks: {}, homogeneous: {}, CCL: {}, CUDA: {}".format(
+        hvd.size(), hvd.is_homogeneous(), hvd.ccl_built(), hvd.cuda_built()))
 torch.manual_seed(args.seed)
 torch.set_num_threads(1)
 
@@ -54,16 +60,19 @@ class Net(nn.Module):
 
 model = Net()
 
-# Scale the learning rate by the number of workers.
-optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
+# Scale the learning rate by the number of workers (Adasum does not need it).
+lr_scaler = 1 if args.use_adasum else hvd.size()
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
 
 # Broadcast the parameters and the optimizer state from rank 0 to all other processes.
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+hvd.broadcast_optimizer_state(optimizer, root_rank=0, model=model)
 
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                     compression=compression)
+                                     compression=compression,
+                                     op=hvd.Adasum if args.use_adasum else hvd.Average,
+                                     groups=args.num_groups)
 
 
 def metric_average(val, name):
@@ -103,5 +112,10 @@ def test():
 
 
 for epoch in range(1, args.epochs + 1):
+    if args.timeline and epoch == 1:
+        hvd.start_timeline(args.timeline)
     train(epoch)
+    if args.timeline and epoch == 1:
+        hvd.stop_timeline()
+hvd.join()
 test()

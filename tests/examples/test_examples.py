@@ -58,3 +58,12 @@ def test_synthetic_benchmark_reports_per_rank_and_total_rates():
 def test_horovod_port_trains_under_the_launcher():
     out = run_example(os.path.join("horovod_port", "train.py"), "--epochs", 3, np=2)
     assert number(r"Accuracy: ([\d.]+)%", out) > 80.0, out
+
+
+def test_horovod_port_with_adasum_groups_and_a_timeline(tmp_path):
+    trace = tmp_path / "timeline.json"
+    out = run_example(os.path.join("horovod_port", "train.py"), "--epochs", 3, "--use-adasum",
+                      "--num-groups", 2, "--timeline", trace, np=2)
+    assert number(r"Accuracy: ([\d.]+)%", out) > 80.0, out
+    assert "ranks: 2, homogeneous: True" in out
+    assert (tmp_path / "timeline.rank0.json").stat().st_size > 0

@@ -1,0 +1,80 @@
+"""Adasum: allreduce with op=Adasum, as horovod.torch has it (CPU; a power-of-two set size).
+
+Adasum combines two gradients a and b as
+    (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
+(a coefficient is 1 when its norm is below 1e-8, as in Horovod), applied pairwise up a binary
+tree over the ranks: level k combines the results of the blocks of 2^k ranks starting at
+multiples of 2^(k+1), the lower block's result as `a`.
+
+Note [Adasum by vector halving]
+The tree is computed by recursive vector halving, distance doubling, as Horovod does. At level
+k each rank pairs with the rank 2^k away; of the segment both hold copies of (the same
+positions of their two blocks' vectors), the lower rank keeps the first half and the higher the
+second, sending the other half to its partner (an alltoall in which only partners exchange).
+The dot product and norms of the two whole vectors are the sums of every rank's partial sums
+over its piece, within the group of 2^(k+1) ranks: every rank's three partial sums travel in
+one small allgather and each rank adds its group's. After the last level every rank holds one
+piece of the result; an allgather puts the pieces back in place. The arithmetic is done in
+float64 and the result cast back to the tensor's dtype.
+"""
+import torch
+
+from . import ops
+
+
+def _check(fn, size):
+    if size & (size - 1):
+        raise ValueError(f"{fn}: op=Adasum needs a power-of-two number of ranks in the set, got {size}")
+
+
+def _combine(a, b, dot, anorm, bnorm):
+    acoeff = 1.0 - dot / (2.0 * anorm) if anorm >= 1e-8 else 1.0
+    bcoeff = 1.0 - dot / (2.0 * bnorm) if bnorm >= 1e-8 else 1.0
+    return acoeff * a + bcoeff * b
+
+
+def adasum(tensor, name, process_set):
+    """The Adasum of every rank's `tensor` over `process_set` (synchronizes)."""
+    fn = "allreduce(op=Adasum)"
+    _, runtime = ops._runtime(fn, process_set)
+    rank, size = runtime.rank, runtime.size
+    _check(fn, size)
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{fn}: Adasum runs on CPU tensors in hvdlite")
+    flat = tensor.detach().reshape(-1).to(torch.float64)
+    start, piece = 0, flat  # the positions this rank is responsible for, and its vector there
+    distance, level = 1, 0
+    while distance < size:
+        partner = rank ^ distance
+        lower = rank < partner
+        half = piece.numel() // 2
+        keep, give = (piece[:half], piece[half:]) if lower else (piece[half:], piece[:half])
+        splits = [0] * size
+        splits[partner] = give.numel()
+        received, _ = ops.synchronize(ops.alltoall_async(give.contiguous().reshape(-1, 1), splits=splits,
+                                                         name=f"{name}.adasum.{level}", process_set=process_set))
+        received = received.reshape(-1)
+        mine_is_a = (rank // distance) % 2 == 0  # this rank's block is the lower one at this level
+        a, b = (keep, received) if mine_is_a else (received, keep)
+        partial = torch.stack([(a * b).sum(), (a * a).sum(), (b * b).sum()])
+        everyone = ops.synchronize(ops.allgather_async(partial.reshape(1, 3), name=f"{name}.adasum.dot.{level}",
+                                                       process_set=process_set))
+        group = rank // (2 * distance)
+        dot, anorm, bnorm = everyone[group * 2 * distance:(group + 1) * 2 * distance].sum(0).tolist()
+        piece = _combine(a, b, dot, anorm, bnorm)
+        if not lower:
+            start += half
+        distance, level = distance * 2, level + 1
+    # every rank holds result[start:start + len(piece)]: put the pieces back together
+    mine = torch.cat([torch.tensor([float(start)], dtype=torch.float64), piece]).reshape(1, -1) \
+        if piece.numel() else torch.tensor([[float(start)]], dtype=torch.float64)
+    lengths = ops.synchronize(ops.allgather_async(torch.tensor([piece.numel()]), name=f"{name}.adasum.lengths",
+                                                  process_set=process_set)).tolist()
+    padded = torch.zeros(1, 1 + max(lengths), dtype=torch.float64)
+    padded[0, :mine.numel()] = mine.reshape(-1)
+    pieces = ops.synchronize(ops.allgather_async(padded, name=f"{name}.adasum.pieces", process_set=process_set))
+    result = torch.empty_like(flat)
+    for row, length in zip(pieces, lengths):
+        at = int(row[0].item())
+        result[at:at + length] = row[1:1 + length]
+    return result.to(tensor.dtype).reshape(tensor.shape)
