@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # basics
     **dict.fromkeys(
-        ["ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+        ["ccl_built", "check_extension", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+         "gloo_built", "gpu_available", "split_list",
          "gloo_enabled", "init", "is_homogeneous", "rocm_built", "start_timeline", "stop_timeline",
          "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
          "mpi_threads_supported", "nccl_built", "rank", "shutdown", "size"], "basics"),

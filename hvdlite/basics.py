@@ -238,6 +238,28 @@ def nccl_built():
     return dist.is_nccl_available()
 
 
+def gpu_available(ext_base_name="torch", verbose=False):
+    """horovod.common.util's helper, for scripts that call it: whether torch sees a GPU."""
+    return torch.cuda.is_available()
+
+
+def check_extension(ext_name=None, ext_env_var=None, pkg_path=None, *args):
+    """horovod's check that its extension is built; hvdlite's is imported with the package
+    (a missing build raises an ImportError that says how to build it)."""
+    from ._native import _core  # noqa: F401
+
+
+def split_list(values, n):
+    """``values`` in ``n`` consecutive parts, as even as possible (horovod.common.util's)."""
+    size, extra = divmod(len(values), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(values[start:end])
+        start = end
+    return out
+
+
 def cuda_built():
     """True when the installed torch was built with CUDA (hvdlite then uses NCCL for CUDA tensors)."""
     return torch.version.cuda is not None

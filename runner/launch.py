@@ -163,19 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--output-filename", metavar="DIR",
                      help="also write each rank's output, without prefixes, to "
                           "DIR/rank.N/stdout and DIR/rank.N/stderr")
-    job.add_argument("--network-interface", metavar="IFACE",
-                     help="serve the rendezvous on this interface's IPv4 address "
-                          "(default: 127.0.0.1 for local jobs; on many hosts, what network "
-                          "discovery finds)")
-    job.add_argument("--network-interfaces", metavar="IF1,IF2",
-                     help="on many hosts: the interfaces ranks use to reach each other "
-                          "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), instead of network discovery")
+    job.add_argument("--network-interface", "--network-interfaces", dest="network_interface",
+                     metavar="IF1,IF2",
+                     help="the interfaces ranks use to reach each other (GLOO_SOCKET_IFNAME, "
+                          "NCCL_SOCKET_IFNAME) instead of network discovery, as horovodrun's flag; "
+                          "the rendezvous is served on the first one's IPv4 address")
     job.add_argument("--no-network-discovery", action="store_true",
                      help="on many hosts: skip network discovery and leave the choice of "
                           "interfaces to Gloo and NCCL's defaults")
     job.add_argument("--verbose", action="store_true",
                      help="log what the launcher does and set HVDLITE_LOG_LEVEL=debug")
-    job.add_argument("--check-build", action="store_true",
+    job.add_argument("-cb", "--check-build", action="store_true",
                      help="print what this installation supports (torch, Gloo, NCCL, CUDA) "
                           "and exit")
 
@@ -232,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="add the time to every rank's output line")
     compat.add_argument("-v", "--version", action="store_true",
                         help="print hvdlite's version and exit")
+    compat.add_argument("--gloo-timeout-seconds", type=_positive_float, metavar="SECONDS",
+                        help="the process groups' timeout (HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS)")
+    compat.add_argument("--log-hide-timestamp", "--log-without-timestamp", action="store_true",
+                        help="accepted: hvdlite's log lines carry no timestamp")
     compat.add_argument("--gloo", action="store_true",
                         help="accepted: Gloo (with NCCL for CUDA tensors) is hvdlite's only controller")
     compat.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
@@ -296,10 +298,10 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path}: no such file")
     interfaces = None
-    if args.network_interfaces is not None:
-        interfaces = [name.strip() for name in args.network_interfaces.split(",") if name.strip()]
+    if args.network_interface is not None:
+        interfaces = [name.strip() for name in args.network_interface.split(",") if name.strip()]
         if not interfaces:
-            raise UsageError("--network-interfaces needs at least one interface name")
+            raise UsageError("--network-interface needs at least one interface name")
 
     knobs = CoreKnobs(
         fusion_threshold_mb=args.fusion_threshold_mb,
@@ -314,14 +316,17 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         cache_capacity=0 if args.disable_cache else args.cache_capacity,
         log_level=args.log_level,
     )
+    extra_env = {}
+    if args.gloo_timeout_seconds is not None:
+        extra_env["HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS"] = f"{args.gloo_timeout_seconds:g}"
     config = JobConfig(
         command=command, np=np, hosts=hosts,
         ssh=SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file,
                        config_file=args.ssh_config_file),
-        network_interface=args.network_interface, network_interfaces=interfaces,
+        network_interface=interfaces[0] if interfaces else None, network_interfaces=interfaces,
         discovery=not args.no_network_discovery, start_timeout=args.start_timeout,
         grace_period=args.grace_period, output_dir=args.output_filename, knobs=knobs,
-        verbose=args.verbose, output_timestamps=args.prefix_output_with_timestamp,
+        verbose=args.verbose, output_timestamps=args.prefix_output_with_timestamp, extra_env=extra_env,
     )
     return config, args
 

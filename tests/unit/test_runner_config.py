@@ -42,7 +42,11 @@ def test_parse_config_network_and_ssh_config_flags():
     config, _ = parse_config(["-H", "a:1,b:1", "--ssh-config-file", __file__, "x"])
     assert config.ssh.config_file == __file__ and config.discovery and config.network_interfaces is None
     config, _ = parse_config(["-H", "a:1,b:1", "--network-interfaces", "eth0, ib0", "x"])
-    assert config.network_interfaces == ["eth0", "ib0"]
+    assert config.network_interfaces == ["eth0", "ib0"] and config.network_interface == "eth0"
+    config, _ = parse_config(["-H", "a:1,b:1", "--network-interface", "ib0", "--gloo-timeout-seconds", "9",
+                              "--log-hide-timestamp", "x"])
+    assert config.network_interfaces == ["ib0"] and config.network_interface == "ib0"
+    assert config.extra_env == {"HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS": "9"}
     config, _ = parse_config(["-H", "a:1,b:1", "--no-network-discovery", "x"])
     assert not config.discovery
 
