@@ -19,8 +19,6 @@ float64 and the result cast back to the tensor's dtype.
 """
 import torch
 
-from . import ops
-
 
 def _check(fn, size):
     if size & (size - 1):
@@ -33,11 +31,12 @@ def _combine(a, b, dot, anorm, bnorm):
     return acoeff * a + bcoeff * b
 
 
-def adasum(tensor, name, process_set):
-    """The Adasum of every rank's `tensor` over `process_set` (synchronizes)."""
+def adasum(tensor, name, rank, size, exchange, gather):
+    """The Adasum of every rank's `tensor` over a set of `size` ranks (synchronizes).
+
+    The set's collectives come as functions (ops.py passes them): `exchange(rows, splits,
+    name)` is an alltoall returning the rows received, `gather(tensor, name)` an allgather."""
     fn = "allreduce(op=Adasum)"
-    _, runtime = ops._runtime(fn, process_set)
-    rank, size = runtime.rank, runtime.size
     _check(fn, size)
     if tensor.device.type != "cpu":
         raise ValueError(f"{fn}: Adasum runs on CPU tensors in hvdlite")
@@ -51,14 +50,11 @@ def adasum(tensor, name, process_set):
         keep, give = (piece[:half], piece[half:]) if lower else (piece[half:], piece[:half])
         splits = [0] * size
         splits[partner] = give.numel()
-        received, _ = ops.synchronize(ops.alltoall_async(give.contiguous().reshape(-1, 1), splits=splits,
-                                                         name=f"{name}.adasum.{level}", process_set=process_set))
-        received = received.reshape(-1)
+        received = exchange(give.contiguous().reshape(-1, 1), splits, f"{name}.adasum.{level}").reshape(-1)
         mine_is_a = (rank // distance) % 2 == 0  # this rank's block is the lower one at this level
         a, b = (keep, received) if mine_is_a else (received, keep)
         partial = torch.stack([(a * b).sum(), (a * a).sum(), (b * b).sum()])
-        everyone = ops.synchronize(ops.allgather_async(partial.reshape(1, 3), name=f"{name}.adasum.dot.{level}",
-                                                       process_set=process_set))
+        everyone = gather(partial.reshape(1, 3), f"{name}.adasum.dot.{level}")
         group = rank // (2 * distance)
         dot, anorm, bnorm = everyone[group * 2 * distance:(group + 1) * 2 * distance].sum(0).tolist()
         piece = _combine(a, b, dot, anorm, bnorm)
@@ -68,11 +64,10 @@ def adasum(tensor, name, process_set):
     # every rank holds result[start:start + len(piece)]: put the pieces back together
     mine = torch.cat([torch.tensor([float(start)], dtype=torch.float64), piece]).reshape(1, -1) \
         if piece.numel() else torch.tensor([[float(start)]], dtype=torch.float64)
-    lengths = ops.synchronize(ops.allgather_async(torch.tensor([piece.numel()]), name=f"{name}.adasum.lengths",
-                                                  process_set=process_set)).tolist()
+    lengths = gather(torch.tensor([piece.numel()]), f"{name}.adasum.lengths").tolist()
     padded = torch.zeros(1, 1 + max(lengths), dtype=torch.float64)
     padded[0, :mine.numel()] = mine.reshape(-1)
-    pieces = ops.synchronize(ops.allgather_async(padded, name=f"{name}.adasum.pieces", process_set=process_set))
+    pieces = gather(padded, f"{name}.adasum.pieces")
     result = torch.empty_like(flat)
     for row, length in zip(pieces, lengths):
         at = int(row[0].item())

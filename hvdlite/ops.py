@@ -18,6 +18,7 @@ import torch
 
 from . import _state
 from ._native import _core
+from .adasum import adasum
 from .process_sets import ProcessSet, global_process_set
 
 # Reduce ops, with horovod.torch's values (csrc/types.h exports them).
@@ -244,14 +245,21 @@ def _allreduce(fn, tensors, in_place, average, name, op, prescale_factor, postsc
 def _adasum(fn, tensors, in_place, name, pre, post, process_set, grouped):
     """op=Adasum (hvdlite/adasum.py): computed at the call, per tensor; the handle then holds the
     results."""
-    from .adasum import adasum
     state, runtime = _runtime(fn, process_set)
     base = name or f"hvdlite.adasum.{next(runtime.name_ids)}"
+
+    def exchange(rows, splits, part):
+        return synchronize(alltoall_async(rows, splits=splits, name=part, process_set=process_set))[0]
+
+    def gather(tensor, part):
+        return synchronize(allgather_async(tensor, name=part, process_set=process_set))
+
     results = []
     for i, t in enumerate(tensors):
         if not t.dtype.is_floating_point:
             raise TypeError(f"{fn}: op=Adasum needs floating-point tensors, got {t.dtype}")
-        out = adasum(t * pre if pre != 1.0 else t, f"{base}.{i}" if grouped else base, process_set)
+        out = adasum(t * pre if pre != 1.0 else t, f"{base}.{i}" if grouped else base, runtime.rank,
+                     runtime.size, exchange, gather)
         if post != 1.0:
             out = out * post
         results.append(t.copy_(out) if in_place else out)

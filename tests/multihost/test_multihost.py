@@ -137,9 +137,12 @@ def test_network_interfaces_given_by_hand_replace_discovery(hosts):
     out = good.stdout + good.stderr
     assert good.returncode == 0 and len(lines(out, "CHECKED")) == 2, out[-3000:]
     assert not lines(out, "hvdliterun: discovery:")
-    bad = run_on(hosts, "hvta", launcher(hosts, "--network-interfaces", "dcy0", "-H", "hvta:1,hvtb:1") + JOB,
+    # the decoy by hand: the rendezvous is served there too, so hvtb's rank never arrives
+    bad = run_on(hosts, "hvta", launcher(hosts, "--network-interfaces", "dcy0", "--start-timeout", "15",
+                                        "-H", "hvta:1,hvtb:1") + JOB,
                  env={"HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS": "10"})
     assert bad.returncode != 0 and "CHECKED" not in bad.stdout
+    assert "rank 1 did not reach the rendezvous within the start timeout" in bad.stderr, bad.stderr[-2000:]
     assert_nothing_left(hosts)
 
 

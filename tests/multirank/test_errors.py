@@ -106,8 +106,8 @@ def _local_mistakes():
         hvd.allreduce(torch.ones(1), name=3)
     with pytest.raises(ValueError, match="op must be one of"):
         hvd.allreduce(torch.ones(1), op=17)
-    with pytest.raises(ValueError, match="Adasum is not supported"):
-        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="Adasum is not supported here"):  # an allreduce only
+        hvd.reducescatter(torch.ones(2), op=hvd.Adasum)
     with pytest.raises(ValueError, match="either op= or the deprecated average="):
         hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
     with pytest.raises(ValueError, match="finite"):
