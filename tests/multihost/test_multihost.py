@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 
-import pytest
 
 from tests.multihost.hosts import PREFIX
 

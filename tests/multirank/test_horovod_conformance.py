@@ -1,6 +1,5 @@
 """horovod.torch behaviour that ported scripts rely on (names, return shapes, ProcessSet and
 DistributedOptimizer semantics, HOROVOD_* variables), each checked on real ranks."""
-import os
 import warnings
 
 import pytest
