@@ -119,7 +119,7 @@ def describe(peers, my_rank, message, store=None, prefix=""):
                    f"{', '.join(map(str, lost))} on {'host' if len(hosts) == 1 else 'hosts'} {', '.join(hosts)}")
         if store is not None:
             try:
-                store.set(f"{prefix}lost/{my_rank}", summary)
+                store.set(f"{prefix}lost/{my_rank}", json.dumps({"text": summary, "ranks": lost}))
             except Exception:  # noqa: BLE001 - the store may be what was lost
                 pass
         return "lost " + "; ".join(parts), lost

@@ -50,7 +50,8 @@ class JobResult:
 
     exits: List[RankExit] = field(default_factory=list)
     root_cause: Optional[RankExit] = None  # first rank the launcher saw fail
-    lost_contact: Optional[str] = None     # what that rank said about peers it lost
+    lost_contact: Optional[dict] = None    # what that rank said about peers it lost (census)
+    stopped: List[int] = field(default_factory=list)  # ranks the launcher stopped
     failures: Dict[int, dict] = field(default_factory=dict)  # ranks' own reports
     pids: Dict[int, int] = field(default_factory=dict)       # pids known to the launcher
     missing_ranks: List[int] = field(default_factory=list)  # never reached the rendezvous
@@ -89,6 +90,8 @@ class JobResult:
             return sorted(r["rank"] for r in primary
                           if (r["type"], r["message"]) == (first["type"], first["message"]))
         pointed = sorted({p for r in self.failures.values() for p in r.get("consequence_of") or []})
+        if self.lost_contact:  # the first rank to exit named the peers it lost
+            pointed = sorted(set(pointed) | set(self.lost_contact.get("ranks") or []))
         silent = [p for p in pointed if p not in self.failures]
         if silent:
             return silent[:1]
@@ -125,6 +128,8 @@ class JobResult:
             return f"{self._who(ranks[0])} failed first: {error}{tail}"
         rank = ranks[0]
         exit_ = self._exit_of(rank)
+        if rank in self.stopped and rank != self.root_cause.rank:
+            return f"{self._who(rank)} stopped answering: the others lost contact with it"
         if exit_ is not None and exit_.remote and exit_.returncode == SSH_LOST:
             return f"{self._who(rank)} was lost: the ssh connection to its host closed"
         if exit_ is not None and exit_.returncode > 0:
@@ -153,8 +158,9 @@ class JobResult:
             consequences = self._consequence_line()
             if consequences:
                 lines.append(consequences)
-            elif self.lost_contact:
-                lines.append(f"rank {self.root_cause.rank} had {self.lost_contact}")
+            elif self.lost_contact and self.root_cause.rank not in self.cause_ranks():
+                lines.append(f"then rank {self.root_cause.rank} failed because of it (it had "
+                             f"{self.lost_contact.get('text', 'lost contact with its peers')})")
             return "\n".join(lines)
         if self.missing_ranks:
             ranks = ", ".join(str(r) for r in self.missing_ranks)

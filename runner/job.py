@@ -124,13 +124,15 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
             result.launch_error = str(exc)
         finally:
             if group.running():
+                result.stopped = group.running()
                 interrupted = lambda: len(signals.received) > 1  # noqa: E731
                 stop_sig = result.stopped_by_signal or signal.SIGTERM
                 log(f"stopping ranks {group.running()} with {signal.Signals(stop_sig).name}")
                 group.stop(stop_sig, interrupted)
             mux.drain(timeout=5.0)
             server.stop()
-    result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode, w.remote)
+    result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode, w.remote,
+                             server.rank_host(w.slot.rank) or "")
                     for w in group.workers() if w.returncode is not None]
     return result
 

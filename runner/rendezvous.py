@@ -177,14 +177,18 @@ class RendezvousServer:
         with self._state_lock:
             return set(self._arrived)
 
-    def lost_contact(self, rank: int) -> Optional[str]:
+    def lost_contact(self, rank: int) -> Optional[dict]:
         """What `rank` published before failing when it lost contact with peers (Note [Failure
-        census] in hvdlite/_liveness.py), newest generation first; None if nothing."""
+        census] in hvdlite/_liveness.py): {"text": ..., "ranks": [...]}, newest generation
+        first; None if nothing."""
         found = self._table.items_ending(f"/lost/{rank}".encode())
         if not found:
             return None
         newest = max(found, key=lambda k: int(k.split(b"/")[1]) if k.split(b"/")[1].isdigit() else -1)
-        return found[newest].decode(errors="replace")
+        try:
+            return json.loads(found[newest])
+        except ValueError:
+            return None
 
     def failure_records(self) -> Dict[int, dict]:
         """Every rank's failure report (Note [Failure reports] in hvdlite/_failure.py)."""

@@ -141,6 +141,11 @@ pg = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, 2,
 t = torch.tensor([rank + 1.0, 10.0 * (rank + 1)])
 pg.allreduce([t]).wait()
 assert t.tolist() == [3.0, 30.0], t
+# Destroy the group while the interpreter is whole: left to interpreter teardown, Gloo's threads
+# can outlive the Python half of the store and abort the process (as hvd.shutdown() avoids by
+# dropping its groups in an atexit handler).
+del pg
+store.close()
 print("ok", rank)
 """
 
