@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from . import ops
+from .basics import split_list
 from .compression import Compression
 from .process_sets import global_process_set
 
@@ -505,13 +506,7 @@ def _plan_groups(names, groups, num_groups):
     if groups is None:
         if not num_groups or not params:
             return [], {}
-        n = min(num_groups, len(params))
-        size, extra = divmod(len(params), n)
-        planned, start = [], 0
-        for i in range(n):
-            end = start + size + (1 if i < extra else 0)
-            planned.append(params[start:end])
-            start = end
+        planned = split_list(params, min(num_groups, len(params)))
     else:
         planned = []
         seen = set()
