@@ -199,7 +199,7 @@ uint64_t Controller::Digest() const {
   return Chain(h, groups_.size());
 }
 
-Controller::Pending& Controller::Add(int rank, Request&& request, int64_t now_ms,
+Controller::Pending* Controller::Add(int rank, Request&& request, int64_t now_ms,
                                      std::vector<ReadyItem>* ready) {
   auto inserted = pending_.try_emplace(request.name);
   Pending& pending = inserted.first->second;
@@ -218,17 +218,18 @@ Controller::Pending& Controller::Add(int rank, Request&& request, int64_t now_ms
                              {rank});
     item.request = std::move(request);
     ready->push_back(std::move(item));
-    return pending;
+    return nullptr;
   }
   pending.by_rank[rank] = std::move(request);
   pending.submitted[rank] = true;
   ++pending.count;
-  return pending;
+  return &pending;
 }
 
 void Controller::Record(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready) {
   const bool join = request.kind == CollectiveKind::kJoin;
-  Pending& pending = Add(rank, std::move(request), now_ms, ready);
+  Pending* pending = Add(rank, std::move(request), now_ms, ready);
+  if (pending == nullptr) return;
   if (join) {
     joined_[rank] = true;
     last_joined_ = rank;
@@ -240,8 +241,8 @@ void Controller::Record(int rank, Request&& request, int64_t now_ms, std::vector
     ReleaseCompleted(ready);
     return;
   }
-  if (!Complete(pending)) return;
-  ReadyItem item = MakeReady(pending);
+  if (!Complete(*pending)) return;
+  ReadyItem item = MakeReady(*pending);
   Erase(item.request.name);
   Decide(std::move(item), ready);
 }

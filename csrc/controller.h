@@ -109,8 +109,9 @@ class Controller {
     size_t size = 0;                                  // members, once the manifests agree
   };
 
-  // Adds `request` to the pending table; returns its entry.
-  Pending& Add(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready);
+  // Adds `request` to the pending table; returns its entry, or null (after emitting a kInternal
+  // failure) when `rank` had already submitted that name.
+  Pending* Add(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready);
   void Record(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready);
   // All members of one group from one rank's message (they always travel together).
   void RecordGroup(int rank, std::vector<Request>&& members, int64_t now_ms, std::vector<ReadyItem>* ready);
@@ -124,7 +125,6 @@ class Controller {
   void ReleaseCompleted(std::vector<ReadyItem>* ready);
   void Erase(const std::string& name);
   ReadyItem MakeReady(Pending& pending);
-  void Release(ReadyItem item, std::vector<ReadyItem>* ready);
   void InspectStalls(int64_t now_ms, RoundResult* result);
 
   int size_;

@@ -26,7 +26,6 @@ enum class StatusCode : uint8_t {
   kShutdown = 5,         // the engine was shut down with the operation pending
   kInternal = 6,         // this rank could not go on (out of memory) or a broken invariant
 };
-constexpr int kMaxStatusCode = 6;
 
 class Status {
  public:
