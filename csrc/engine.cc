@@ -166,6 +166,7 @@ void Engine::Shutdown(const std::string& reason) {
   }
   shutdown_requested_ = true;
   queue_.Wake();
+  std::lock_guard<std::mutex> join_lock(join_mu_);
   if (thread_.joinable()) thread_.join();
 }
 

@@ -149,6 +149,7 @@ class Engine {
   uint64_t timeline_requested_ = 0, timeline_applied_ = 0;  // under timeline_mu_
   std::atomic<bool> stopped_{false};       // the background thread has exited
   std::mutex shutdown_mu_;
+  std::mutex join_mu_;  // Shutdown may be called from two threads (elastic notice, shutdown())
   std::string shutdown_reason_;  // under shutdown_mu_; set before shutdown_requested_
   std::atomic<int64_t> name_counter_{0};
   std::thread thread_;

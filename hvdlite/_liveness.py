@@ -101,10 +101,10 @@ def _name(peers, r):
     return f"rank {r} (pid {peers[r]['pid']} on {peers[r]['host']})"
 
 
-def describe(peers, my_rank, message, store=None, prefix=""):
+def describe(peers, my_rank, message, store=None, prefix="", wait_seconds=1.0):
     """(text to append, ranks) naming what is known about the lost peers; with `store`, after a
     census of the job's ranks (only for the global engine's failures: every rank takes part)."""
-    dead = lost_ranks(peers, my_rank)
+    dead = lost_ranks(peers, my_rank, wait_seconds)
     missing = None
     if store is not None and len(peers) > 1:
         missing = _census(store, prefix, len(peers), my_rank, dead)

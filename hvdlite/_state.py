@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import threading
 
-from . import _liveness
+from . import _elastic_worker, _liveness
 from ._environment import Topology
 from .exceptions import NotInitializedError, RankFailureError
 
@@ -48,7 +48,8 @@ class State:
 
     @property
     def engine(self):
-        return self.sets[0].engine
+        runtime = self.sets.get(0)  # none after shutdown (basics._shutdown drops the engines)
+        return None if runtime is None else runtime.engine
 
     def group_context(self):
         """What creating another engine's process groups needs (see _groups.start_engine)."""
@@ -91,9 +92,12 @@ def explain(exc, state=None, engine=None):
     if not isinstance(exc, RankFailureError) or state is None or getattr(exc, "_explained", False):
         return exc
     if state.failure is None:
-        everyone = engine is None or engine is state.engine
+        # Under elastic training the launcher names the lost workers, and the survivors reset
+        # at once: no census (it waits for ranks that will never answer).
+        everyone = (engine is None or engine is state.engine) and not _elastic_worker.enabled()
         state.failure = _liveness.describe(state.peers, state.topology.rank, str(exc),
-                                           state.store if everyone else None, state.prefix)
+                                           state.store if everyone else None, state.prefix,
+                                           0.3 if _elastic_worker.enabled() else 1.0)
     text, ranks = state.failure
     if text:
         exc.args = (f"{exc.args[0]} ({text})",) + exc.args[1:]

@@ -15,14 +15,16 @@ over.
 import atexit
 import dataclasses
 import datetime
+import functools
 import ipaddress
 import itertools
+import os
 import socket
 
 import torch
 import torch.distributed as dist
 
-from . import _environment, _failure, _groups, _liveness, _settings, _state
+from . import _elastic_worker, _environment, _failure, _groups, _liveness, _settings, _state
 
 
 _RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
@@ -58,6 +60,8 @@ def _store_for(rendezvous, topology):
 def _rendezvous(topology, rendezvous, generation):
     """Returns (store, key prefix, loopback) shared by every engine of this init()."""
     prefix = f"hvdlite/{generation}/"
+    if _elastic_worker.enabled():  # Note [Elastic rendezvous]: the launcher numbers generations
+        prefix = f"hvdlite/e{os.environ['HVDLITE_ELASTIC_GENERATION']}/"
     if dist.is_initialized():
         # The user's own init_process_group: build ours beside it, from the same store.
         if dist.get_world_size() != topology.size:
@@ -101,6 +105,8 @@ def init(comm=None, process_sets=None):
     with _state.lock:
         if _state.peek() is not None:
             return
+        if _elastic_worker.enabled():
+            _elastic_worker.request_place()  # Note [Elastic rendezvous]; may exit the process
         topology, rendezvous = _environment.detect()
         if dist.is_initialized() and topology.source == "single":
             # Local and cross ranks are derived from the hosts every rank publishes, below.
@@ -121,9 +127,13 @@ def init(comm=None, process_sets=None):
             topology = _topology_from_hosts(topology, [p["host"] for p in peers])
         hosts = [p["host"] for p in peers]
         homogeneous = len({hosts.count(h) for h in hosts}) == 1
-        _state.install(_state.State(topology=topology, generation=generation, store=store, prefix=prefix,
-                                    loopback=loopback, settings=settings, sets=sets, peers=peers,
-                                    homogeneous=homogeneous))
+        state = _state.State(topology=topology, generation=generation, store=store, prefix=prefix,
+                             loopback=loopback, settings=settings, sets=sets, peers=peers,
+                             homogeneous=homogeneous)
+        _state.install(state)
+        if _elastic_worker.enabled():  # Note [Hosts updated]
+            _elastic_worker.watch_hosts(os.environ["HVDLITE_ELASTIC_GENERATION"],
+                                        functools.partial(_engines_of, generation))
         if not _atexit_registered:
             # Exiting with work in flight and no shutdown aborted the process in 8 of 20 runs
             # ("terminate called without an active exception"); shutting down at exit fixed it.
@@ -139,6 +149,15 @@ def init(comm=None, process_sets=None):
         from .process_sets import add_process_set
         for process_set in process_sets:
             add_process_set(process_set)
+
+
+def _engines_of(generation):
+    """The engines of `generation` if it is still the current one. (Holding the state itself
+    would keep its process groups, hence their connections, open after shutdown.)"""
+    state = _state.peek()
+    if state is None or state.generation != generation:
+        return []
+    return [s.engine for s in state.sets.values() if s.engine is not None]
 
 
 def shutdown():
@@ -165,6 +184,11 @@ def _shutdown(reason):
         for set_id in sorted(state.sets, reverse=True):
             if state.sets[set_id].engine is not None:
                 state.sets[set_id].engine.shutdown(reason)
+        # Drop the engines and process groups now: destroying a group closes its connections,
+        # which is how a peer still blocked in a collective with this rank learns that it left
+        # (Gloo has no way to interrupt a collective from outside).
+        state.sets.clear()
+        state.handles.clear()
 
 
 def start_timeline(file_path, mark_cycles=False):

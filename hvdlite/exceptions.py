@@ -14,6 +14,7 @@ __all__ = [
     "StallError",
     "ShutdownError",
     "NotInitializedError",
+    "HostsUpdatedInterrupt",
 ]
 
 
@@ -54,8 +55,26 @@ class NotInitializedError(HvdliteError, ValueError):
     """An operation was called before ``hvdlite.init()``."""
 
 
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic training: the launcher found new or departed hosts, and every rank stops at the
+    same operation to re-form the job (Note [Hosts updated] in _elastic_worker.py).
+    ``hvdlite.elastic.run`` catches it. Not an HvdliteError: nothing failed, and the state is
+    kept (``skip_sync`` is False: the new ranks still need it)."""
+
+    def __init__(self, message="the job's hosts changed", skip_sync=False, op=None, tensor_name=None,
+                 ranks=None):
+        super().__init__(message)
+        self.skip_sync = skip_sync
+        self.op = op
+        self.tensor_name = tensor_name
+        self.ranks = ranks
+
+
 # Scripts written for Horovod catch this name.
 HorovodInternalError = HvdliteError
+
+from ._elastic_worker import HOSTS_UPDATED as _HOSTS_UPDATED  # noqa: E402
+
 
 def _from_status(code, message, op="", tensor="", ranks=(), reason=""):
     """Builds the exception for an engine status (called by the native module's translator).
@@ -67,6 +86,9 @@ def _from_status(code, message, op="", tensor="", ranks=(), reason=""):
     codes = _core.STATUS_CODES
     if code == codes["invalid_argument"]:
         return ValueError(message)
+    if code == codes["shutdown"] and _HOSTS_UPDATED in message:
+        return HostsUpdatedInterrupt(message, op=op or None, tensor_name=tensor or None,
+                                     ranks=list(ranks) or None)
     cls = {
         codes["mismatch"]: MismatchError,
         codes["rank_failure"]: RankFailureError,

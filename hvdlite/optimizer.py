@@ -103,12 +103,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes_per_step = int(backward_passes_per_step)
         self._sparse_as_dense = bool(sparse_as_dense)
         self._process_set = process_set
-        self._size = process_set.size()
-        self._communicate = self._size > 1
         # Note [Adasum optimizer]: with op=Adasum nothing is reduced in backward; step() runs the
         # wrapped optimizer locally and combines the parameters' changes with Adasum, as
         # horovod.torch's Adasum optimizer does.
-        self._adasum = op == ops.Adasum and self._communicate
+        self._adasum_op = op == ops.Adasum
 
         self._given_names = _named_parameter_map(named_parameters)
         self._names = {}            # parameter -> allreduce name
@@ -127,6 +125,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._no_sync = False
         weakref.finalize(self, _remove_hooks, self._hook_handles)
+
+    @property
+    def _communicate(self):
+        # Read at every use, not at construction: under elastic training the job's size changes
+        # between generations while the optimizer lives on.
+        size = self._process_set.size()
+        return size is not None and size > 1
+
+    @property
+    def _adasum(self):
+        return self._adasum_op and self._communicate
+
+    def _forget_reductions(self):
+        """Drops the reductions of a step that failed (elastic training resets here: their
+        engine is gone), so the next step starts clean."""
+        with self._lock:
+            self._pending.clear()
+            self._reductions = []
+            self._group_ready = [set() for _ in self._groups]
+            self._passes = {p: 0 for p in self._passes}
+            self._synchronized = False
 
     # ---- the wrapped optimizer's objects -------------------------------------------------------
 

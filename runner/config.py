@@ -3,12 +3,13 @@
 Plain data; no I/O. `core_env()` is the one place flags become HVDLITE_* core variables.
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .hosts import Host
 
 DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_GRACE_PERIOD = 5.0
+DEFAULT_ELASTIC_TIMEOUT = 600.0
 
 
 @dataclass
@@ -62,6 +63,19 @@ class SshOptions:
 
 
 @dataclass
+class ElasticConfig:
+    """hvdliterun's elastic mode (Note [Elastic driver] in elastic.py)."""
+
+    discovery_script: str
+    min_np: int = 1
+    max_np: Optional[int] = None
+    slots_per_host: int = 1
+    timeout: float = DEFAULT_ELASTIC_TIMEOUT   # --elastic-timeout
+    reset_limit: Optional[int] = None
+    cooldown_range: Optional[Tuple[float, float]] = None
+
+
+@dataclass
 class JobConfig:
     """One job: `np` ranks of `command` on `hosts` (None: all local)."""
 
@@ -81,3 +95,4 @@ class JobConfig:
     cwd: Optional[str] = None  # None: the launcher's working directory
     verbose: bool = False
     output_timestamps: bool = False
+    elastic: Optional[ElasticConfig] = None  # elastic mode: hosts from a discovery script

@@ -58,6 +58,8 @@ class JobResult:
     start_timeout: Optional[float] = None
     stopped_by_signal: Optional[int] = None
     launch_error: Optional[str] = None
+    elastic_events: List[str] = field(default_factory=list)    # what the elastic driver did
+    elastic_failures: List[RankExit] = field(default_factory=list)  # workers lost on the way
 
     @property
     def ok(self) -> bool:

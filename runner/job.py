@@ -65,6 +65,12 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
             stderr: Optional[IO[str]] = None,
             environ: Optional[Mapping[str, str]] = None) -> JobResult:
     """Run the job in `config` to the end and say how it went."""
+    if config.elastic is not None:
+        from .elastic import run_elastic
+        mux = OutputMux(stdout, stderr, config.output_dir, config.output_timestamps)
+        with _SignalWatch() as signals:
+            return run_elastic(config, mux, dict(os.environ if environ is None else environ),
+                               signals, JobResult())
     hosts = config.hosts or [Host(socket.gethostname(), config.np)]
     slots = assign_slots(hosts, config.np)
     if config.hosts:

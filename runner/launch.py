@@ -7,8 +7,8 @@ import os
 import sys
 from typing import List, NoReturn, Optional, Sequence, Tuple
 
-from .config import (DEFAULT_GRACE_PERIOD, DEFAULT_START_TIMEOUT, CoreKnobs, JobConfig,
-                     SshOptions)
+from .config import (DEFAULT_ELASTIC_TIMEOUT, DEFAULT_GRACE_PERIOD, DEFAULT_START_TIMEOUT,
+                     CoreKnobs, ElasticConfig, JobConfig, SshOptions)
 from .hosts import HostSpecError, parse_host_list, parse_hostfile
 from .network import NetworkError
 
@@ -220,6 +220,28 @@ def build_parser() -> argparse.ArgumentParser:
                       help="accepted for horovodrun's job scripts: hvdlite's timeline always marks "
                            "its negotiation rounds")
 
+    elastic = p.add_argument_group(
+        "elastic training (with hvdlite.elastic in the script; see the README)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="a command that prints the usable hosts, one 'HOST' or 'HOST:SLOTS' "
+                              "per line; run every second, and the job grows and shrinks with "
+                              "its output (elastic mode; replaces -H/--hostfile)")
+    elastic.add_argument("--min-np", type=_positive_int, metavar="N",
+                         help="fewest ranks the job runs with (default: -np, else 1)")
+    elastic.add_argument("--max-np", type=_positive_int, metavar="N",
+                         help="most ranks the job runs with (default: every discovered slot)")
+    elastic.add_argument("--slots-per-host", type=_positive_int, metavar="N",
+                         help="slots of a discovered host printed without ':SLOTS' (default 1)")
+    elastic.add_argument("--elastic-timeout", type=_positive_float, metavar="SECONDS",
+                         help="how long to wait for --min-np slots before stopping the job "
+                              "(default 600)")
+    elastic.add_argument("--reset-limit", type=_non_negative_int, metavar="N",
+                         help="stop the job instead of resetting it more than N times")
+    elastic.add_argument("--blacklist-cooldown-range", type=_non_negative_float, nargs=2,
+                         metavar=("LO", "HI"),
+                         help="a host whose worker failed comes back after a cooldown drawn "
+                              "from [LO, HI] seconds, doubled at each repeat (default: never)")
+
     compat = p.add_argument_group("horovodrun compatibility")
     compat.add_argument("--config-file", metavar="FILE",
                         help="horovodrun's YAML configuration file (needs PyYAML); flags given "
@@ -270,8 +292,11 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         raise UsageError("missing COMMAND: what should every rank run?")
     if command[0].startswith("-"):
         raise UsageError(f"unknown option {command[0]!r}")
+    elastic = _elastic_config(args)
     try:
-        if args.hosts is not None:
+        if elastic is not None:
+            hosts = None
+        elif args.hosts is not None:
             hosts = parse_host_list(args.hosts)
         elif args.hostfile is not None:
             try:
@@ -282,9 +307,9 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
             hosts = parse_hostfile(text, args.hostfile)
         else:
             hosts = None
-        if hosts is None and args.np is None:
+        if hosts is None and args.np is None and elastic is None:
             raise UsageError("-np N is required when no hosts are given")
-        np = args.np if args.np is not None else sum(h.slots for h in hosts)
+        np = args.np if args.np is not None else sum(h.slots for h in hosts) if hosts else 1
         if hosts is not None and np > sum(h.slots for h in hosts):
             listing = ",".join(f"{h.name}:{h.slots}" for h in hosts)
             raise UsageError(f"-np {np} is more than the {sum(h.slots for h in hosts)} "
@@ -325,8 +350,33 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         discovery=not args.no_network_discovery, start_timeout=args.start_timeout,
         grace_period=args.grace_period, output_dir=args.output_filename, knobs=knobs,
         verbose=args.verbose, output_timestamps=args.prefix_output_with_timestamp, extra_env=extra_env,
+        elastic=elastic,
     )
     return config, args
+
+
+def _elastic_config(args) -> Optional[ElasticConfig]:
+    flags = {"--min-np": args.min_np, "--max-np": args.max_np, "--slots-per-host": args.slots_per_host,
+             "--elastic-timeout": args.elastic_timeout, "--reset-limit": args.reset_limit,
+             "--blacklist-cooldown-range": args.blacklist_cooldown_range}
+    if args.host_discovery_script is None:
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} needs --host-discovery-script (elastic mode)")
+        return None
+    if args.hosts is not None or args.hostfile is not None:
+        raise UsageError("--host-discovery-script replaces -H/--hostfile: give one or the other")
+    min_np = args.min_np or args.np or 1
+    if args.max_np is not None and args.max_np < min_np:
+        raise UsageError(f"--max-np {args.max_np} is less than --min-np {min_np}")
+    cooldown = args.blacklist_cooldown_range
+    if cooldown is not None and cooldown[0] > cooldown[1]:
+        raise UsageError(f"--blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}: LO is above HI")
+    return ElasticConfig(
+        discovery_script=args.host_discovery_script, min_np=min_np, max_np=args.max_np,
+        slots_per_host=args.slots_per_host or 1,
+        timeout=args.elastic_timeout if args.elastic_timeout is not None else DEFAULT_ELASTIC_TIMEOUT,
+        reset_limit=args.reset_limit, cooldown_range=tuple(cooldown) if cooldown else None)
 
 
 def _usage_error(message: str) -> int:

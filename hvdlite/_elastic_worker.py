@@ -1,0 +1,144 @@
+"""A worker's side of elastic training: asking the launcher for a place in each generation,
+and hearing that the hosts changed.
+
+Note [Elastic rendezvous]
+Under ``hvdliterun --host-discovery-script`` (runner/elastic.py) a worker process is started
+without a rank: HVDLITE_ELASTIC=1 and HVDLITE_ELASTIC_WORKER=<id>, an id that stays the same
+for the life of the process. Every hvd.init() of such a process is one request, numbered
+0, 1, 2, ... by the process, through the launcher's store:
+  1. the worker sets ``elastic/ready/<id>/<n>`` to {"reason", "lost"}: why it asks (it is
+     starting, it lost a peer, the hosts changed) and which ranks it saw fail;
+  2. the launcher waits until every live worker has asked (or exited), decides the next
+     generation and answers each under ``elastic/assign/<id>/<n>``: {"action": "run", the
+     generation, rank, size, local and cross rank and size, "restore"} or {"action": "exit"}
+     (the worker is no longer wanted: its host left the discovery output, or the job has more
+     workers than --max-np) or {"action": "abort", "why"} (the job stops: reset limit, too few
+     slots for too long);
+  3. init() then runs as under the plain launcher, with that topology, under the key prefix
+     ``hvdlite/e<generation>/``.
+"restore" is the launcher's verdict, the same for every worker: true when a worker of the
+previous generation failed, so every survivor rolls its state back to its last commit. After a
+change of hosts alone every rank stopped at the same operation (below), so the state is
+consistent everywhere and is kept, uncommitted progress included.
+
+Note [Hosts updated]
+When the discovery script reports new hosts, the launcher starts their workers, waits until
+they have asked for a place (they have imported torch by then), and only then sets
+``elastic/notice/<generation>`` to "hosts". Every worker of that generation waits on that key
+in a helper thread (one blocking GET on its own connection); on "hosts" it asks its engine to
+shut down with HOSTS_UPDATED as the reason. Shutdown is negotiated (Note [Fatal errors] in
+csrc/engine.h), so every engine stops after the same round: the operations completed before
+it completed on every rank, and every later one fails on every rank, where the error becomes
+HostsUpdatedInterrupt. So the interrupt comes within one step of the notice and at the same
+operation on every rank, not only at commit(). The launcher sets the key to "end" when it
+forms the next generation, which releases the helper threads of the old one.
+"""
+
+import json
+import os
+import threading
+
+HOSTS_UPDATED = "updating the job's hosts (elastic training; every rank resets)"
+
+_ASSIGN_SLACK_SECONDS = 60.0
+
+_lock = threading.Lock()
+_client = None
+_requests = 0
+_reason = {"reason": "start", "lost": []}
+_assignment = None
+
+
+def enabled(environ=None):
+    return (os.environ if environ is None else environ).get("HVDLITE_ELASTIC") == "1"
+
+
+def assignment():
+    """The launcher's answer to the latest request (None before the first)."""
+    return _assignment
+
+
+def set_reason(reason, lost=()):
+    """What the next request tells the launcher: "failure" (with the ranks seen lost) or
+    "hosts"."""
+    global _reason
+    _reason = {"reason": reason, "lost": sorted(set(int(r) for r in lost))}
+
+
+class WorkerRemoved(SystemExit):
+    """This worker is not part of the next generation; the process exits with status 0."""
+
+    def __init__(self, why):
+        super().__init__(0)
+        self.why = why
+
+
+class ElasticAbort(RuntimeError):
+    """The launcher stopped the elastic job (reset limit, too few slots); names why."""
+
+
+def _connection():
+    global _client
+    if _client is None:
+        from ._rendezvous_wire import RendezvousClient
+        env = os.environ
+        _client = RendezvousClient(env["HVDLITE_RENDEZVOUS_ADDR"], int(env["HVDLITE_RENDEZVOUS_PORT"]),
+                                   env["HVDLITE_RENDEZVOUS_SECRET"], rank=-1)
+    return _client
+
+
+def _timeout_ms():
+    seconds = float(os.environ.get("HVDLITE_ELASTIC_TIMEOUT", "600"))
+    return int((seconds + _ASSIGN_SLACK_SECONDS) * 1000)
+
+
+def request_place():
+    """Steps 1 and 2 of Note [Elastic rendezvous]: returns the assignment, and on "run" puts
+    the worker's new place in the environment that hvd.init() reads. Raises WorkerRemoved or
+    ElasticAbort otherwise."""
+    global _requests, _assignment
+    with _lock:
+        n, _requests = _requests, _requests + 1
+        worker = os.environ["HVDLITE_ELASTIC_WORKER"]
+        client = _connection()
+        client.call(b"SET", [f"elastic/ready/{worker}/{n}".encode(), json.dumps(_reason).encode()])
+        key = f"elastic/assign/{worker}/{n}".encode()
+        reply = json.loads(client.call(b"GET", [key, str(_timeout_ms()).encode()], _timeout_ms())[0])
+        _assignment = reply
+        set_reason("failure")  # until told otherwise, the next request follows a failure
+    action = reply.get("action")
+    if action == "exit":
+        raise WorkerRemoved(reply.get("why", ""))
+    if action != "run":
+        raise ElasticAbort(f"hvdliterun stopped the elastic job: {reply.get('why', action)}")
+    names = {"rank": ("HVDLITE_RANK", "RANK"), "size": ("HVDLITE_SIZE", "WORLD_SIZE"),
+             "local_rank": ("HVDLITE_LOCAL_RANK", "LOCAL_RANK"),
+             "local_size": ("HVDLITE_LOCAL_SIZE", "LOCAL_WORLD_SIZE"),
+             "cross_rank": ("HVDLITE_CROSS_RANK",), "cross_size": ("HVDLITE_CROSS_SIZE",)}
+    for field, variables in names.items():
+        for variable in variables:
+            os.environ[variable] = str(reply[field])
+    os.environ["HVDLITE_ELASTIC_GENERATION"] = str(reply["generation"])
+    return reply
+
+
+def watch_hosts(generation, engines):
+    """Note [Hosts updated]: a helper thread that shuts the engines `engines()` returns down
+    with HOSTS_UPDATED when the launcher announces new hosts during `generation`."""
+    def run():
+        from ._rendezvous_wire import RendezvousClient, RendezvousError
+        env = os.environ
+        try:
+            client = RendezvousClient(env["HVDLITE_RENDEZVOUS_ADDR"], int(env["HVDLITE_RENDEZVOUS_PORT"]),
+                                      env["HVDLITE_RENDEZVOUS_SECRET"], rank=-1)
+            value = client.call(b"GET", [f"elastic/notice/{generation}".encode(), b"0"], 0)[0]
+            client.close()
+        except RendezvousError:
+            return  # the launcher went away; the engines will notice their peers
+        if value == b"hosts":
+            for engine in engines():
+                engine.shutdown(HOSTS_UPDATED)
+
+    thread = threading.Thread(target=run, name=f"hvdlite-elastic-notice-{generation}", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,79 @@
+"""Elastic training, as horovod.torch.elastic: the job loses and gains ranks without stopping.
+
+::
+
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        ...          # commit with state.commit() every few batches
+
+    train(state)
+
+Run under ``hvdliterun --host-discovery-script ...`` (runner/elastic.py). When a rank fails,
+every survivor rolls back to its last commit; when hosts come or go, every rank stops at the
+same operation and keeps its state. Either way every rank then re-forms the job with the
+launcher (Note [Elastic rendezvous] in hvdlite/_elastic_worker.py), the reset callbacks run,
+the state is synced from rank 0, and the function is called again.
+"""
+
+import functools
+import sys
+
+from .. import _elastic_worker, basics
+from ..exceptions import HostsUpdatedInterrupt, HvdliteError, MismatchError, NotInitializedError
+from .sampler import ElasticSampler
+from .state import ObjectState, State, TorchState
+
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
+
+# Errors that a reset cures: a peer failed or the engine was stopped under the step. A mismatch
+# is a bug in the script and would come back after every reset, so it is raised.
+_RESETTABLE = (HvdliteError,)
+_NOT_RESETTABLE = (MismatchError, NotInitializedError)
+
+
+def _reset(state, reason, lost):
+    """Leaves this generation and joins the next (Note [Elastic rendezvous])."""
+    basics.shutdown()
+    if not _elastic_worker.enabled():
+        raise RuntimeError("hvdlite.elastic.run: a reset needs the elastic launcher "
+                           "(hvdliterun --host-discovery-script ...)")
+    _elastic_worker.set_reason(reason, lost)
+    try:
+        basics.init()
+    except _elastic_worker.WorkerRemoved as removed:
+        sys.stderr.write(f"hvdlite elastic: this worker leaves the job ({removed.why})\n")
+        sys.stderr.flush()
+        raise
+    assignment = _elastic_worker.assignment()
+    if assignment.get("restore"):
+        state.restore()
+    state.on_reset()
+
+
+def run(func):
+    """Decorates ``func(state, *args, **kwargs)``: runs it until it returns, resetting the job
+    and calling it again after a rank failure or a change of hosts. Returns what ``func``
+    returns. A worker that is no longer wanted exits with status 0 (SystemExit)."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        if not basics.is_initialized():
+            basics.init()
+        reset = None
+        while True:
+            try:
+                if reset is not None:
+                    _reset(state, *reset)
+                state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                reset = ("hosts", ())
+            except _NOT_RESETTABLE:
+                raise
+            except _RESETTABLE as exc:
+                if not _elastic_worker.enabled():
+                    raise
+                reset = ("failure", getattr(exc, "ranks", None) or ())
+    return wrapper

@@ -1,0 +1,441 @@
+"""hvdliterun's elastic mode: workers come and go with the hosts a discovery script reports.
+
+Note [Elastic driver]
+The launcher runs the discovery script every DISCOVERY_INTERVAL seconds (on a helper thread)
+and keeps one worker process per slot of every usable host, up to --max-np. Workers have
+stable ids, not ranks; each generation's ranks are handed out through the rendezvous store
+(Note [Elastic rendezvous] in hvdlite/_elastic_worker.py). The main thread loops:
+  - a worker that exits non-zero (or is killed, or loses its ssh connection) failed: its
+    host is blacklisted (Blacklist in elastic_plan.py) and the generation must end;
+  - a worker that exits 0 without having been told to leave has finished training: from then
+    on the job only waits for the others to finish;
+  - hosts that left the discovery output, or new free slots, end the generation too; workers
+    for new slots are started first and the others are told only once the new ones are ready
+    to join (Note [Hosts updated]), so the running ranks pause for one rendezvous, not for a
+    process start;
+  - ending a generation means setting its notice key, which makes every rank stop at the same
+    operation (a rank that lost a peer stops by itself);
+  - when every live worker has asked for a place, the next generation is formed
+    (plan_generation: survivors first, in their old order), with "restore" set if any worker
+    failed since the last one; workers on removed or blacklisted hosts, or beyond --max-np, are
+    told to exit (with status 0, not counted as failures).
+The job stops with a message when --reset-limit resets have happened, when fewer than
+--min-np workers could be gathered for --elastic-timeout seconds, or when the discovery script
+fails on its first run. It succeeds when the workers finish with status 0.
+"""
+import json
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Set
+
+from .config import JobConfig
+from .discovery import NetworkPlan
+from .elastic_plan import Blacklist, DiscoveryOutputError, parse_discovery_output, plan_generation
+from .errors import JobResult, RankExit, describe_exit
+from .hosts import Host, SlotInfo
+from .network import LocalHostDetector, address_towards, advertised_address, interface_address
+from .output import OutputMux
+from .rendezvous import RendezvousServer, new_secret
+from .workers import WorkerGroup, stop_with_parent
+
+DISCOVERY_INTERVAL = 1.0
+DISCOVERY_TIMEOUT = 30.0
+
+
+class DiscoveryFailed(Exception):
+    pass
+
+
+def run_discovery_script(script: str, slots_per_host: int, cwd: str) -> List[Host]:
+    """Runs the script once (through /bin/sh, so arguments work) and parses what it printed."""
+    try:
+        done = subprocess.run(["/bin/sh", "-c", script], cwd=cwd, capture_output=True, text=True,
+                              timeout=DISCOVERY_TIMEOUT, preexec_fn=stop_with_parent)
+    except subprocess.TimeoutExpired:
+        raise DiscoveryFailed(f"it did not finish within {DISCOVERY_TIMEOUT:g} s") from None
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or [""]
+        raise DiscoveryFailed(f"it {describe_exit(done.returncode)}" + (f": {tail[0]}" if tail[0] else ""))
+    try:
+        return parse_discovery_output(done.stdout, slots_per_host)
+    except DiscoveryOutputError as exc:
+        raise DiscoveryFailed(f"its output is not a host list ({exc})") from None
+
+
+class _Discovery:
+    """The discovery script on a helper thread; `latest()` is the newest good answer."""
+
+    def __init__(self, script: str, slots_per_host: int, cwd: str, first: List[Host],
+                 log: Callable[[str], None]) -> None:
+        self._args = (script, slots_per_host, cwd)
+        self._hosts = first
+        self._log = log
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hvdlite-elastic-discovery", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        failing = False
+        while not self._stop.wait(DISCOVERY_INTERVAL):
+            try:
+                hosts = run_discovery_script(*self._args)
+            except DiscoveryFailed as exc:
+                if not failing:
+                    self._log(f"the host discovery script failed ({exc}); keeping the last host list")
+                failing = True
+                continue
+            failing = False
+            with self._lock:
+                self._hosts = hosts
+
+    def latest(self) -> List[Host]:
+        with self._lock:
+            return list(self._hosts)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class _Worker:
+    wid: int
+    host: str
+    slot: int                       # index among its host's slots
+    rank: Optional[int] = None      # in the current generation
+    asked: Optional[dict] = None    # its pending request for a place
+    seq: int = 0                    # the number of its next request
+    leaving: bool = False           # told to exit (or being stopped): its exit is no failure
+    started: float = 0.0
+
+
+class _Driver:
+    """Note [Elastic driver]."""
+
+    def __init__(self, config: JobConfig, mux: OutputMux, environ: Dict[str, str],
+                 result: JobResult) -> None:
+        self.config, self.elastic, self.mux, self.result = config, config.elastic, mux, result
+        self.environ = environ
+        self.cwd = config.cwd or os.getcwd()
+        self.group = WorkerGroup(mux, config.grace_period)
+        self.workers: Dict[int, _Worker] = {}
+        self.blacklist = Blacklist(self.elastic.cooldown_range)
+        self.generation = -1
+        self.resets = 0
+        self.failed_since_formed = False
+        self.finishing = False
+        self.ended_generation = False      # the current generation's notice was sent
+        self.short_since: Optional[float] = None
+        self.pending_hosts_notice = False
+        self.detector = LocalHostDetector()
+        self.events: List[str] = []        # what happened, for the verbose log and tests
+        self.server: Optional[RendezvousServer] = None
+
+    # -- logging
+    def log(self, message: str) -> None:
+        self.events.append(message)
+        if self.config.verbose:
+            self.mux.write_line(f"hvdliterun: elastic: {message}\n")
+
+    def announce(self, message: str) -> None:
+        self.events.append(message)
+        self.mux.write_line(f"hvdliterun: elastic: {message}\n")
+
+    # -- the store
+    def _store_set(self, key: str, value) -> None:
+        self.server._table.handle(b"SET", [key.encode(), json.dumps(value).encode()
+                                           if not isinstance(value, bytes) else value])
+
+    def _store_get(self, key: str) -> Optional[bytes]:
+        found = self.server._table.handle(b"CHECK", [key.encode()])
+        if found[1] != b"1":
+            return None
+        return self.server._table.handle(b"GET", [key.encode(), b"1"])[1]
+
+    # -- starting workers
+    def _rendezvous_addr(self, host: str, local: bool) -> str:
+        """What a worker on `host` connects to. A job whose first host list names only this
+        machine stays on loopback (its ranks' Gloo devices are bound there too)."""
+        if self.config.network_interface:
+            return interface_address(self.config.network_interface)
+        if self.first_remote is None:
+            return "127.0.0.1"
+        return address_towards(self.first_remote if local else host) or advertised_address()
+
+    def _start_worker(self, host: str, slot: int) -> None:
+        wid = max(self.workers, default=-1) + 1
+        local = self.detector.is_local(host)
+        env = dict(self.base_env)
+        env.update({
+            "HVDLITE_ELASTIC": "1", "HVDLITE_ELASTIC_WORKER": str(wid),
+            "HVDLITE_ELASTIC_TIMEOUT": f"{self.elastic.timeout:g}", "HVDLITE_HOSTNAME": host,
+            "HVDLITE_RENDEZVOUS_ADDR": self._rendezvous_addr(host, local),
+            "HVDLITE_RENDEZVOUS_PORT": str(self.server.port),
+            "HVDLITE_RENDEZVOUS_SECRET": self.server.secret,
+        })
+        for name in ("HVDLITE_RANK", "HVDLITE_SIZE", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)
+        info = SlotInfo(hostname=host, rank=wid, size=0, local_rank=slot, local_size=0,
+                        cross_rank=0, cross_size=0)
+        worker = _Worker(wid, host, slot, started=time.monotonic())
+        self.workers[wid] = worker
+        self.log(f"starting worker {wid} on {host} (slot {slot})")
+        try:
+            if local:
+                self.group.start_local(info, self.config.command, env, self.cwd)
+            else:
+                from .environment import exportable
+                self.group.start_remote(info, self.config.command, exportable(env), self.cwd,
+                                        self.config.ssh)
+        except OSError as exc:
+            worker.leaving = True
+            self.blacklist.add(host, time.monotonic())
+            self.announce(f"could not start a worker on {host}: {exc.strerror or exc}; blacklisted it")
+
+    def _live(self) -> List[_Worker]:
+        running = set(self.group.running())
+        return [w for w in self.workers.values() if w.wid in running]
+
+    def _wanted_slots(self, now: float) -> Dict[str, int]:
+        hosts = self.discovery.latest()
+        return {h.name: h.slots for h in hosts if not self.blacklist.blocked(h.name, now)}
+
+    def _fill_slots(self, now: float) -> List[int]:
+        """Starts workers for free slots of usable hosts, up to --max-np; returns their ids."""
+        if self.finishing:
+            return []
+        wanted = self._wanted_slots(now)
+        live = [w for w in self._live() if not w.leaving]
+        started = []
+        for host, slots in wanted.items():
+            used = {w.slot for w in live if w.host == host}
+            for slot in range(slots):
+                if self.elastic.max_np is not None and len(live) + len(started) >= self.elastic.max_np:
+                    return started
+                if slot not in used:
+                    self._start_worker(host, slot)
+                    started.append(max(self.workers))
+        return started
+
+    # -- requests for a place (Note [Elastic rendezvous])
+    def _poll_requests(self) -> None:
+        for w in self._live():
+            if w.asked is not None:
+                continue
+            raw = self._store_get(f"elastic/ready/{w.wid}/{w.seq}")
+            if raw is None:
+                continue
+            w.asked = json.loads(raw)
+            if w.asked.get("reason") == "failure" and w.rank is not None:
+                self.failed_since_formed = True
+            if w.rank is not None and not self.finishing:
+                self._end_generation(f"worker {w.wid} (rank {w.rank}) left generation "
+                                     f"{self.generation} ({w.asked.get('reason')})")
+
+    def _answer(self, w: _Worker, reply: dict) -> None:
+        self._store_set(f"elastic/assign/{w.wid}/{w.seq}", reply)
+        w.seq += 1
+        w.asked = None
+        if reply.get("action") != "run":
+            w.leaving = True
+            w.rank = None
+
+    def _end_generation(self, why: str) -> None:
+        """Asks every rank of the current generation to stop (Note [Hosts updated])."""
+        if self.generation < 0 or self.ended_generation:
+            return
+        self.ended_generation = True
+        self.reset_began = time.monotonic()
+        self.log(f"ending generation {self.generation}: {why}")
+        self._store_set(f"elastic/notice/{self.generation}", b"hosts")
+
+    def _abort(self, why: str) -> None:
+        for w in self._live():
+            if w.asked is not None:
+                self._answer(w, {"action": "abort", "why": why})
+        self.result.launch_error = why
+        self.done = True
+
+    def _try_form(self, now: float) -> None:
+        """Forms the next generation once every live worker has asked for a place."""
+        eligible = [w for w in self._live() if not w.leaving]
+        if self.finishing:
+            for w in eligible:
+                if w.asked is not None:
+                    self._answer(w, {"action": "exit", "why": "the job is finishing: other workers "
+                                                          "completed their training"})
+            return
+        if any(w.asked is None for w in eligible):
+            return
+        wanted = self._wanted_slots(now)
+        stay = [w for w in eligible if w.slot < wanted.get(w.host, 0)]
+        if len(stay) < self.elastic.min_np:
+            if self.short_since is None:
+                self.short_since = now
+                self.announce(f"{len(stay)} worker(s) ready, --min-np is {self.elastic.min_np}; "
+                              f"waiting up to {self.elastic.timeout:g} s for more hosts")
+            elif now - self.short_since > self.elastic.timeout:
+                self._abort(f"elastic: only {len(stay)} of the --min-np {self.elastic.min_np} "
+                            f"slots were available for --elastic-timeout {self.elastic.timeout:g} s; "
+                            "stopped the job")
+            return
+        self.short_since = None
+        if self.generation >= 0:
+            self.resets += 1
+            if self.elastic.reset_limit is not None and self.resets > self.elastic.reset_limit:
+                self._abort(f"elastic: the job reset {self.elastic.reset_limit} times "
+                            "(--reset-limit); stopped it instead of resetting again")
+                return
+        survivors = sorted((w for w in stay if w.rank is not None), key=lambda w: w.rank)
+        newcomers = sorted((w for w in stay if w.rank is None), key=lambda w: w.wid)
+        places, left_out = plan_generation([(w.wid, w.host) for w in survivors],
+                                           [(w.wid, w.host) for w in newcomers], self.elastic.max_np)
+        old = self.generation
+        self.generation += 1
+        restore = self.failed_since_formed
+        for w in eligible:
+            if w.wid not in places:
+                why = ("the job has --max-np workers" if w.wid in left_out
+                       else f"host {w.host} is no longer in the job")
+                self._answer(w, {"action": "exit", "why": why})
+        for w in survivors + newcomers:
+            if w.wid in places:
+                place = places[w.wid]
+                w.rank = place.rank
+                self._answer(w, {"action": "run", "generation": self.generation, "restore": restore,
+                                 **place.__dict__})
+        if old >= 0 and not self.ended_generation:
+            self._store_set(f"elastic/notice/{old}", b"end")
+        self.ended_generation = False
+        self.failed_since_formed = False
+        took = "" if old < 0 else f" {time.monotonic() - self.reset_began:.2f} s after the reset began"
+        ranks = ", ".join(f"{w.host}:{places[w.wid].rank}" for w in survivors + newcomers if w.wid in places)
+        self.announce(f"generation {self.generation}: {len(places)} ranks ({ranks})"
+                      f"{', rolled back to the last commit' if restore else ''}{took}")
+
+    # -- exits
+    def _handle_exit(self, wid: int, code: int, now: float) -> None:
+        w = self.workers[wid]
+        if w.leaving:
+            self.log(f"worker {wid} on {w.host} left ({describe_exit(code)})")
+            return
+        if code == 0:
+            if not self.finishing:
+                self.log(f"worker {wid} finished; waiting for the others")
+            self.finishing = True
+            return
+        cooldown = self.blacklist.add(w.host, now)
+        exit_ = RankExit(w.rank if w.rank is not None else -1, w.host, code,
+                         not self.detector.is_local(w.host))
+        self.failures.append(exit_)
+        until = "for good" if cooldown == float("inf") else f"for {cooldown:.0f} s"
+        self.announce(f"worker {wid} (rank {w.rank}, host {w.host}) {describe_exit(code)}; "
+                      f"host {w.host} is blacklisted {until}")
+        w.rank = None
+        if self.finishing:
+            self.result.root_cause = exit_
+            self.done = True
+            return
+        self.failed_since_formed = True
+        self._end_generation(f"worker {wid} failed")
+
+    # -- host changes
+    def _follow_hosts(self, now: float) -> None:
+        if self.finishing:
+            return
+        wanted = self._wanted_slots(now)
+        gone = [w for w in self._live() if not w.leaving and w.rank is not None
+                and w.slot >= wanted.get(w.host, 0)]
+        if gone:
+            self._end_generation(f"host {gone[0].host} left the job")
+        self.newcomers.update(self._fill_slots(now))
+        running = set(self.group.running())
+        waiting = [wid for wid in self.newcomers
+                   if wid in running and self.workers[wid].asked is None]
+        if self.newcomers and not waiting:
+            if self.generation >= 0:
+                self._end_generation("new workers are ready to join: "
+                                     + ", ".join(sorted({self.workers[w].host for w in self.newcomers})))
+            self.newcomers.clear()
+
+    # -- the loop
+    def run(self, signals) -> None:
+        self.failures: List[RankExit] = []
+        self.newcomers: Set[int] = set()
+        self.done = False
+        self.reset_began = time.monotonic()
+        self._fill_slots(time.monotonic())
+        while not self.done:
+            if signals.received:
+                self.result.stopped_by_signal = signals.received[0]
+                return
+            event = self.group.next_exit(timeout=0.05)
+            now = time.monotonic()
+            while event is not None:
+                self._handle_exit(*event, now)
+                event = self.group.next_exit(timeout=0)
+            if self.done:
+                return
+            if not self.group.running() and self.finishing:
+                return
+            self._poll_requests()
+            self._follow_hosts(now)
+            self._try_form(now)
+            if not self.group.running() and not self.done:
+                self._no_workers(now)
+
+    def _no_workers(self, now: float) -> None:
+        if self.short_since is None:
+            self.short_since = now
+        elif now - self.short_since > self.elastic.timeout:
+            self._abort(f"elastic: no worker has been running for --elastic-timeout "
+                        f"{self.elastic.timeout:g} s (--min-np {self.elastic.min_np}); stopped the job")
+
+
+def run_elastic(config: JobConfig, mux: OutputMux, environ: Dict[str, str], signals,
+                result: JobResult) -> JobResult:
+    """Runs an elastic job (Note [Elastic driver]) to its end; called by job.run_job."""
+    elastic = config.elastic
+    cwd = config.cwd or os.getcwd()
+    try:
+        first = run_discovery_script(elastic.discovery_script, elastic.slots_per_host, cwd)
+    except DiscoveryFailed as exc:
+        result.launch_error = (f"the host discovery script {elastic.discovery_script!r} failed on "
+                               f"its first run: {exc}")
+        return result
+    driver = _Driver(config, mux, environ, result)
+    remote = [h.name for h in first if not driver.detector.is_local(h.name)]
+    driver.first_remote = remote[0] if remote else None
+    bind = "127.0.0.1" if driver.first_remote is None else "0.0.0.0"
+    if config.network_interface:
+        bind = interface_address(config.network_interface)
+    driver.server = RendezvousServer(new_secret(), host=bind).start()
+    base_env = dict(environ)
+    if config.network_interfaces:
+        base_env.update(NetworkPlan(config.network_interfaces, bind, 0.0, []).rank_env())
+    base_env.update(config.extra_env)
+    base_env.update(config.knobs.core_env())
+    driver.base_env = base_env
+    driver.discovery = _Discovery(elastic.discovery_script, elastic.slots_per_host, cwd, first,
+                                  driver.log)
+    driver.log(f"discovered {', '.join(f'{h.name}:{h.slots}' for h in first) or 'no hosts'}; "
+               f"store on {bind}:{driver.server.port}")
+    try:
+        driver.run(signals)
+    finally:
+        driver.discovery.stop()
+        if driver.group.running():
+            result.stopped = driver.group.running()
+            for w in driver._live():
+                w.leaving = True
+            driver.group.stop(result.stopped_by_signal or 15, lambda: len(signals.received) > 1)
+        mux.drain(timeout=5.0)
+        driver.server.stop()
+    result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode, w.remote)
+                    for w in driver.group.workers() if w.returncode is not None]
+    result.elastic_events = driver.events
+    result.elastic_failures = driver.failures
+    return result

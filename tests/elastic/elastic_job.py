@@ -1,0 +1,93 @@
+"""An elastic job whose model counts the samples it was trained on.
+
+The model is one vector with an entry per sample. A batch's loss is minus the sum of its
+samples' entries, the gradients are summed over the ranks and SGD with learning rate 1 adds
+one to the entry of every sample in every rank's batch. So after E epochs an entry holds the
+number of times its sample contributed to the model's committed history (rolled-back work
+counts nothing, as it is rolled back with the model): exactly E for each sample when no sample
+was lost or repeated. Rank 0 writes the vector to $ELASTIC_OUT/counts.json at the end.
+
+Every step appends a line to $ELASTIC_OUT/progress.<pid> (time, generation, rank, size,
+epoch, batch, host, and the tensor at which a reset was raised), which the tests read to
+decide when to kill a worker or change the hosts, and to measure reset times.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+import hvdlite as hvd
+
+N = int(os.environ.get("ELASTIC_SAMPLES", "192"))
+BATCH = 4
+EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "2"))
+STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
+COMMIT_EVERY = 3
+OUT = os.environ["ELASTIC_OUT"]
+
+torch.set_num_threads(1)
+hvd.init()
+model = torch.nn.Module()
+model.counts = torch.nn.Parameter(torch.zeros(N, dtype=torch.float64))
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                     named_parameters=model.named_parameters(), op=hvd.Sum)
+dataset = torch.utils.data.TensorDataset(torch.arange(N))
+sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
+loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+resets = []
+state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0)
+state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+log = open(os.path.join(OUT, f"progress.{os.getpid()}"), "a", buffering=1)
+
+
+def note(**fields):
+    fields.update(t=time.time(), pid=os.getpid(), host=os.environ.get("HVDLITE_HOSTNAME"),
+                  generation=int(os.environ.get("HVDLITE_ELASTIC_GENERATION", "-1")))
+    log.write(json.dumps(fields) + "\n")
+
+
+@hvd.elastic.run
+def train(state):
+    note(event="start", rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, batch=state.batch)
+    try:
+        loop(state)
+    except hvd.elastic.HostsUpdatedInterrupt as exc:
+        note(event="interrupt", rank=hvd.rank(), tensor=exc.tensor_name, op=exc.op,
+             epoch=state.epoch, batch=state.batch)
+        raise
+    except hvd.HvdliteError as exc:
+        note(event="failure", rank=hvd.rank(), error=type(exc).__name__, epoch=state.epoch,
+             batch=state.batch)
+        raise
+
+
+def loop(state):
+    while state.epoch < EPOCHS:
+        for state.batch, (idx,) in enumerate(loader, start=state.batch):
+            optimizer.zero_grad()
+            loss = -model.counts[idx].sum()
+            loss.backward()
+            optimizer.step()
+            state.sampler.record_batch(state.batch, BATCH)
+            note(event="step", rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, batch=state.batch,
+                 n=len(idx))
+            if state.batch % COMMIT_EVERY == 0:
+                state.commit()
+            time.sleep(STEP_SECONDS)
+        state.epoch += 1
+        state.batch = 0
+        state.commit()
+
+
+try:
+    train(state)
+except hvd.elastic.HostsUpdatedInterrupt as exc:  # never expected outside run()
+    note(event="interrupt-escaped", error=str(exc))
+    raise
+if hvd.rank() == 0:
+    with open(os.path.join(OUT, "counts.json"), "w") as f:
+        json.dump({"counts": model.counts.detach().tolist(), "epochs": EPOCHS, "size": hvd.size()}, f)
+note(event="done", rank=hvd.rank(), size=hvd.size(), resets=resets)
+hvd.shutdown()
