@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from .. import _elastic_worker, basics, functions
+from .. import functions
 from .sampler import ElasticSampler
 
 
@@ -49,13 +49,6 @@ class State:
 
     def sync(self):
         raise NotImplementedError
-
-
-def _restored():
-    """The launcher's verdict for this generation (Note [Elastic rendezvous]): whether every
-    rank rolled back to its last commit."""
-    assignment = _elastic_worker.assignment()
-    return bool(assignment and assignment.get("restore"))
 
 
 class ObjectState(State):
@@ -122,10 +115,9 @@ class TorchState(ObjectState):
         return self._optimizer
 
     def save(self):
-        # The collective part first: if a rank fails or the hosts change during it, nothing
-        # has been saved anywhere, and every rank keeps its previous commit.
-        gathered = {n: s._gather_processed() for n, s in self._samplers.items()} \
-            if basics.is_initialized() and basics.size() > 1 else None
+        # Any collective first (a sampler fed through record_indices): if a rank fails or the
+        # hosts change during it, nothing has been saved anywhere.
+        gathered = {n: s._global_state() for n, s in self._samplers.items()}
         super().save()
         self._save_tensors(gathered)
 
@@ -159,6 +151,5 @@ class TorchState(ObjectState):
         if self._optimizer is not None:
             functions.broadcast_optimizer_state(self._optimizer, root_rank=0)
         super().sync()
-        restored = _restored()
         for sampler in self._samplers.values():
-            sampler._sync(restored)
+            sampler._sync()

@@ -26,6 +26,7 @@ EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "2"))
 STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
 COMMIT_EVERY = 3
 OUT = os.environ["ELASTIC_OUT"]
+CRASH_HOST = os.environ.get("ELASTIC_CRASH_HOST")  # its workers exit 3 after two steps
 
 torch.set_num_threads(1)
 hvd.init()
@@ -37,6 +38,7 @@ dataset = torch.utils.data.TensorDataset(torch.arange(N))
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
 loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 resets = []
+crash_countdown = [2]
 state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0)
 state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 log = open(os.path.join(OUT, f"progress.{os.getpid()}"), "a", buffering=1)
@@ -73,6 +75,9 @@ def loop(state):
             state.sampler.record_batch(state.batch, BATCH)
             note(event="step", rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, batch=state.batch,
                  n=len(idx))
+            crash_countdown[0] -= 1
+            if CRASH_HOST == os.environ.get("HVDLITE_HOSTNAME") and crash_countdown[0] <= 0:
+                os._exit(3)
             if state.batch % COMMIT_EVERY == 0:
                 state.commit()
             time.sleep(STEP_SECONDS)

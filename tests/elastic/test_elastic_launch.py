@@ -1,0 +1,136 @@
+"""hvdliterun's elastic mode end to end, on hosts 127.0.0.x of this machine.
+
+Every job trains elastic_job.py's counting model, so each test also checks that no sample was
+lost or repeated through its resets (check_every_sample_once_per_epoch).
+"""
+import collections
+
+from tests.elastic.harness import ElasticRun
+
+
+def _start(runs, *args, **kwargs):
+    run = ElasticRun(*args, **kwargs)
+    runs.append(run)
+    return run
+
+
+def _ranks_by_generation(run):
+    starts = [e for e in run.events() if e["event"] == "start"]
+    by_gen = collections.defaultdict(set)
+    for e in starts:
+        by_gen[e["generation"]].add((e["rank"], e["size"], e["host"], e["pid"]))
+    return by_gen
+
+
+def test_rank_killed_job_continues(elastic_runs):
+    run = _start(elastic_runs, ["127.0.0.1:2", "127.0.0.2:2"])
+    run.wait_steps(6, size=4)
+    victim = run.pids_on("127.0.0.2")[0]
+    run.kill([victim])
+    code, out = run.finish()
+    assert code == 0, out
+    assert "was killed by SIGKILL; host 127.0.0.2 is blacklisted" in out, out
+    assert "rolled back to the last commit" in out, out
+    gens = _ranks_by_generation(run)
+    last = gens[max(gens)]
+    # The survivors on 127.0.0.1 carry on as ranks 0 and 1 of a job of two; the other worker
+    # on the blacklisted host left with status 0.
+    assert {(r, s, h) for r, s, h, _ in last} == {(0, 2, "127.0.0.1"), (1, 2, "127.0.0.1")}, gens
+    assert "this worker leaves the job (host 127.0.0.2 is no longer in the job)" in out, out
+    run.check_every_sample_once_per_epoch()
+
+
+def test_host_killed_job_continues(elastic_runs):
+    run = _start(elastic_runs, ["127.0.0.1:2", "127.0.0.2:2"])
+    run.wait_steps(6, size=4)
+    run.kill(run.pids_on("127.0.0.2"))
+    code, out = run.finish()
+    assert code == 0, out
+    gens = _ranks_by_generation(run)
+    assert {h for _, _, h, _ in gens[max(gens)]} == {"127.0.0.1"}
+    run.check_every_sample_once_per_epoch()
+
+
+def test_host_added_every_rank_interrupted_at_the_same_operation(elastic_runs):
+    run = _start(elastic_runs, ["127.0.0.1:2"])
+    run.wait_steps(6, size=2)
+    run.set_hosts(["127.0.0.1:2", "127.0.0.2:2"])
+    run.wait_steps(2, size=4)
+    code, out = run.finish()
+    assert code == 0, out
+    interrupts = [e for e in run.events() if e["event"] == "interrupt"]
+    assert {e["rank"] for e in interrupts} == {0, 1}, interrupts
+    # Both old ranks stopped in the same collective of the same step.
+    assert len({(e["tensor"], e["op"], e["epoch"], e["batch"]) for e in interrupts}) == 1, interrupts
+    gens = _ranks_by_generation(run)
+    last = sorted(gens[max(gens)])
+    assert [(r, s, h) for r, s, h, _ in last] == [
+        (0, 4, "127.0.0.1"), (1, 4, "127.0.0.1"), (2, 4, "127.0.0.2"), (3, 4, "127.0.0.2")], last
+    # Survivors keep their ranks (and processes): rank 0 of the new generation held the state.
+    first = {r: pid for r, _, _, pid in gens[min(gens)]}
+    assert {r: pid for r, _, h, pid in last if h == "127.0.0.1"} == first
+    assert "rolled back" not in out, out  # nothing failed: the state was kept
+    run.check_every_sample_once_per_epoch()
+
+
+def test_host_removed_gracefully(elastic_runs):
+    run = _start(elastic_runs, ["127.0.0.1:2", "127.0.0.2:2"])
+    run.wait_steps(6, size=4)
+    run.set_hosts(["127.0.0.1:2"])
+    code, out = run.finish()
+    assert code == 0, out
+    assert "failed" not in out and "blacklisted" not in out, out
+    assert out.count("this worker leaves the job (host 127.0.0.2 is no longer in the job)") == 2, out
+    run.check_every_sample_once_per_epoch()
+
+
+def test_sequence_of_kills_and_additions(elastic_runs):
+    """A rank killed, a host added, a whole host killed, a host added again: each sample of
+    each epoch still counted exactly once."""
+    run = _start(elastic_runs, ["127.0.0.1:2", "127.0.0.2:2"], epochs=3)
+    run.wait_steps(4, size=4)
+    run.kill(run.pids_on("127.0.0.2")[:1])
+    run.wait_steps(3, size=2)
+    run.set_hosts(["127.0.0.1:2", "127.0.0.2:2", "127.0.0.3:2"])
+    run.wait_for("a generation on 127.0.0.3", lambda: run.steps(host="127.0.0.3"))
+    run.kill(run.pids_on("127.0.0.1"))
+    run.wait_steps(3, host="127.0.0.3", size=2)
+    run.set_hosts(["127.0.0.1:2", "127.0.0.2:2", "127.0.0.3:2", "127.0.0.4:2"])
+    run.wait_steps(2, size=4)
+    code, out = run.finish()
+    assert code == 0, out
+    run.check_every_sample_once_per_epoch()
+
+
+def test_flapping_host_is_blacklisted_with_cooldown(elastic_runs):
+    run = _start(elastic_runs, ["127.0.0.1:2", "127.0.0.3:2"], "--blacklist-cooldown-range", "1", "2",
+                 env={"ELASTIC_CRASH_HOST": "127.0.0.3"}, epochs=3)
+    code, out = run.finish()
+    assert code == 0, out
+    # 127.0.0.3's workers fail, it comes back after its cooldown, and fails again.
+    assert out.count("host 127.0.0.3 is blacklisted for") >= 2, out
+    assert "blacklisted for good" not in out, out
+    run.check_every_sample_once_per_epoch()
+
+
+def test_reset_limit_stops_the_job(elastic_runs):
+    run = _start(elastic_runs, ["127.0.0.1:2", "127.0.0.3:2"], "--blacklist-cooldown-range", "0.5", "1",
+                 "--reset-limit", "1", env={"ELASTIC_CRASH_HOST": "127.0.0.3"}, epochs=3)
+    code, out = run.finish()
+    assert code != 0, out
+    assert "the job reset 1 times (--reset-limit); stopped it" in out, out
+
+
+def test_min_np_not_reached_within_the_timeout(elastic_runs):
+    run = _start(elastic_runs, ["127.0.0.1:1"], "--min-np", "2", "--elastic-timeout", "2")
+    code, out = run.finish(timeout=40)
+    assert code != 0, out
+    assert "only 1 of the --min-np 2 slots were available for --elastic-timeout 2 s" in out, out
+
+
+def test_discovery_script_failing_on_its_first_run(elastic_runs):
+    run = _start(elastic_runs, [], discovery="echo no hosts file >&2; exit 4")
+    code, out = run.finish(timeout=30)
+    assert code != 0, out
+    assert "host discovery script 'echo no hosts file >&2; exit 4' failed on its first run: " \
+           "it exited with code 4: no hosts file" in out, out
