@@ -60,6 +60,9 @@ def _store_for(rendezvous, topology):
 def _rendezvous(topology, rendezvous, generation):
     """Returns (store, key prefix, loopback) shared by every engine of this init()."""
     prefix = f"hvdlite/{generation}/"
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restarts:  # torchrun --max-restarts: its store outlives the processes it restarts
+        prefix = f"hvdlite/restart{restarts}.{generation}/"
     if _elastic_worker.enabled():  # Note [Elastic rendezvous]: the launcher numbers generations
         prefix = f"hvdlite/e{os.environ['HVDLITE_ELASTIC_GENERATION']}/"
     if dist.is_initialized():

@@ -23,7 +23,7 @@ HARD_TIMEOUT = 100
 
 class ElasticRun:
     def __init__(self, hosts, *flags, samples=384, epochs=2, step_seconds=0.1, env=None,
-                 discovery=None, command=None):
+                 discovery=None, command=None, wrap=None):
         self.dir = tempfile.mkdtemp(prefix="hvdlite-elastic-")
         self.hosts_file = os.path.join(self.dir, "hosts.txt")
         self.set_hosts(hosts)
@@ -40,7 +40,8 @@ class ElasticRun:
         self.out_path = os.path.join(self.dir, "launcher.out")
         self._out = open(self.out_path, "wb")
         self.started = time.time()
-        self.proc = subprocess.Popen(argv, env=environ, cwd=self.dir, stdout=self._out,
+        # `wrap` runs the launcher elsewhere (on a test host: tests/multihost/hosts.py)
+        self.proc = subprocess.Popen(wrap(argv) if wrap else argv, env=environ, cwd=self.dir, stdout=self._out,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     # -- acting
