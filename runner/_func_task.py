@@ -22,8 +22,6 @@ def _load_main(path: str) -> None:
 
 
 def main(workdir: str) -> int:
-    rank = int(os.environ.get("HVDLITE_RANK", "0"))
-    out_path = os.path.join(workdir, f"result.{rank}.pkl")
     try:
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             payload = pickle.load(f)
@@ -33,6 +31,8 @@ def main(workdir: str) -> int:
         outcome = ("ok", fn(*args, **kwargs))
         code = 0
     except BaseException as exc:  # noqa: B902 - the caller gets it, whatever it is
+        if isinstance(exc, SystemExit) and exc.code in (0, None) and os.environ.get("HVDLITE_ELASTIC") == "1":
+            return 0  # an elastic worker that left the job: the final ranks return the results
         from hvdlite import _failure  # Note [Failure reports]: as an uncaught exception would be
         _failure.report(exc)
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -45,6 +45,8 @@ def main(workdir: str) -> int:
         data = pickle.dumps(("error", {"summary": f"the return value cannot be pickled: {exc}",
                                        "traceback": ""}))
         code = 1
+    # Read at the end: under elastic training the rank is the one of the final generation.
+    out_path = os.path.join(workdir, f"result.{int(os.environ.get('HVDLITE_RANK', '0'))}.pkl")
     tmp = out_path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)

@@ -12,17 +12,25 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .config import DEFAULT_START_TIMEOUT, JobConfig
+from .config import DEFAULT_ELASTIC_TIMEOUT, DEFAULT_START_TIMEOUT, ElasticConfig, JobConfig
 from .errors import JobResult, RankFailedError
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Mapping] = None,
         np: int = 2, env: Optional[Mapping[str, str]] = None,
         start_timeout: float = DEFAULT_START_TIMEOUT, verbose: bool = False,
-        output_dir: Optional[str] = None) -> List[Any]:
+        output_dir: Optional[str] = None, *, host_discovery_script: Optional[str] = None,
+        min_np: Optional[int] = None, max_np: Optional[int] = None, slots_per_host: int = 1,
+        elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT, reset_limit: Optional[int] = None,
+        blacklist_cooldown_range: Optional[Tuple[float, float]] = None) -> List[Any]:
     """Run `fn(*args, **kwargs)` on `np` local ranks; return the results in rank order.
+
+    With `host_discovery_script` the job is elastic, as hvdliterun's flags of the same names
+    make it (the hosts must be this machine's names, e.g. 127.0.0.x): `fn` then usually calls
+    an ``hvd.elastic.run`` function, and the results are those of the final generation's
+    ranks, in rank order.
 
     Each rank has the same environment as under hvdliterun (plus `env`), so `fn` can call
     hvd.init(). Rank output is streamed with rank prefixes to this process's stdout/stderr.
@@ -42,10 +50,15 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Mappi
         parent_path = [p for p in sys.path if p]
         existing = extra.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         extra["PYTHONPATH"] = os.pathsep.join(parent_path + ([existing] if existing else []))
+        elastic = None
+        if host_discovery_script is not None:
+            elastic = ElasticConfig(host_discovery_script, min_np=min_np or np, max_np=max_np,
+                                    slots_per_host=slots_per_host, timeout=elastic_timeout,
+                                    reset_limit=reset_limit, cooldown_range=blacklist_cooldown_range)
         config = JobConfig(
             command=[sys.executable, "-m", "hvdlite.runner._func_task", workdir],
             np=np, start_timeout=start_timeout, output_dir=output_dir, extra_env=extra,
-            verbose=verbose,
+            verbose=verbose, elastic=elastic,
         )
         config.knobs.verbose = verbose
         result = run_job(config)
@@ -53,6 +66,10 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Mappi
             raise KeyboardInterrupt
         if not result.ok:
             raise _failure(result, workdir)
+        if elastic is not None:
+            done = sorted(int(name.split(".")[1]) for name in os.listdir(workdir)
+                          if name.startswith("result.") and name.endswith(".pkl"))
+            return [_read_result(workdir, rank) for rank in done]
         return [_read_result(workdir, rank) for rank in range(np)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
