@@ -47,6 +47,7 @@ _client = None
 _requests = 0
 _reason = {"reason": "start", "lost": []}
 _assignment = None
+_notified = set()  # generations whose hosts-updated notice arrived
 
 
 def enabled(environ=None):
@@ -122,6 +123,11 @@ def request_place():
     return reply
 
 
+def hosts_updated():
+    """True once the current generation's hosts-updated notice arrived."""
+    return enabled() and os.environ.get("HVDLITE_ELASTIC_GENERATION") in _notified
+
+
 def watch_hosts(generation, engines):
     """Note [Hosts updated]: a helper thread that shuts the engines `engines()` returns down
     with HOSTS_UPDATED when the launcher announces new hosts during `generation`."""
@@ -136,6 +142,7 @@ def watch_hosts(generation, engines):
         except RendezvousError:
             return  # the launcher went away; the engines will notice their peers
         if value == b"hosts":
+            _notified.add(str(generation))
             for engine in engines():
                 engine.shutdown(HOSTS_UPDATED)
 

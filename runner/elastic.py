@@ -356,7 +356,8 @@ class _Driver:
         waiting = [wid for wid in self.newcomers
                    if wid in running and self.workers[wid].asked is None]
         if self.newcomers and not waiting:
-            if self.generation >= 0:
+            joining = [wid for wid in self.newcomers if wid in running]
+            if self.generation >= 0 and joining:
                 self._end_generation("new workers are ready to join: "
                                      + ", ".join(sorted({self.workers[w].host for w in self.newcomers})))
             self.newcomers.clear()

@@ -12,7 +12,8 @@ import copy
 
 import torch
 
-from .. import functions
+from .. import _elastic_worker, basics, functions
+from ..exceptions import HostsUpdatedInterrupt
 from .sampler import ElasticSampler
 
 
@@ -38,8 +39,12 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self):
-        """Horovod checks for new hosts here. hvdlite's ranks hear of them inside their next
-        collective (Note [Hosts updated]), so there is nothing left to check."""
+        """Raises HostsUpdatedInterrupt when the launcher announced a change of hosts. With
+        several ranks the notice already stops every rank inside its next collective (Note
+        [Hosts updated]); a job of one rank may run no collective at all (the optimizer has
+        nothing to reduce), so it hears of new hosts here, at commit()."""
+        if _elastic_worker.hosts_updated() and basics.is_initialized() and basics.size() == 1:
+            raise HostsUpdatedInterrupt("the job's hosts changed (noticed at commit())")
 
     def save(self):
         raise NotImplementedError

@@ -134,3 +134,17 @@ def test_discovery_script_failing_on_its_first_run(elastic_runs):
     assert code != 0, out
     assert "host discovery script 'echo no hosts file >&2; exit 4' failed on its first run: " \
            "it exited with code 4: no hosts file" in out, out
+
+
+def test_one_rank_job_grows_when_a_host_is_added(elastic_runs):
+    """A job of one rank runs no collective (the optimizer has nothing to reduce), so it hears
+    of the new host at commit()."""
+    run = _start(elastic_runs, ["127.0.0.1:1"])
+    run.wait_steps(6, size=1)
+    run.set_hosts(["127.0.0.1:1", "127.0.0.2:1"])
+    run.wait_steps(2, size=2)
+    code, out = run.finish()
+    assert code == 0, out
+    gens = _ranks_by_generation(run)
+    assert {(r, s, h) for r, s, h, _ in gens[max(gens)]} == {(0, 2, "127.0.0.1"), (1, 2, "127.0.0.2")}
+    run.check_every_sample_once_per_epoch()
