@@ -91,8 +91,15 @@ def main(argv=None):
             if hvd.rank() == 0:
                 progress(epoch, args.epochs, b + 1, batches, total / (b + 1), done=b + 1 == batches)
 
+    accuracy = evaluate(model, x_test, y_test, start)
+    hvd.shutdown()
+    return accuracy
+
+
+def evaluate(model, x_test, y_test, start):
+    """Test accuracy counted over all ranks (each scores its share); rank 0 prints it."""
     model.eval()
-    part = torch.arange(hvd.rank(), len(x_test), hvd.size())  # each rank scores its share
+    part = torch.arange(hvd.rank(), len(x_test), hvd.size())
     with torch.no_grad():
         correct = (model(x_test[part]).argmax(1) == y_test[part]).sum()
     correct = hvd.allreduce(correct, op=hvd.Sum, name="test.correct").item()
@@ -100,7 +107,6 @@ def main(argv=None):
     if hvd.rank() == 0:
         print(f"test accuracy: {accuracy:.2f}% ({correct}/{len(x_test)}) on {hvd.size()} rank(s) "
               f"in {time.monotonic() - start:.1f} s", flush=True)
-    hvd.shutdown()
     return accuracy
 
 

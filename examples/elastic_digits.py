@@ -26,9 +26,9 @@ from torch import nn
 import hvdlite as hvd
 
 try:
-    from digits import load_data  # examples/ on the path (run as a script)
+    from digits import evaluate, load_data  # examples/ on the path (run as a script)
 except ImportError:
-    from examples.digits import load_data
+    from examples.digits import evaluate, load_data
 
 
 def parse_args(argv=None):
@@ -94,15 +94,7 @@ def main(argv=None):
     start = time.monotonic()
     train(state)
 
-    model.eval()
-    part = torch.arange(hvd.rank(), len(x_test), hvd.size())
-    with torch.no_grad():
-        correct = (model(x_test[part]).argmax(1) == y_test[part]).sum()
-    correct = hvd.allreduce(correct, op=hvd.Sum, name="test.correct").item()
-    accuracy = 100.0 * correct / len(x_test)
-    if hvd.rank() == 0:
-        print(f"test accuracy: {accuracy:.2f}% ({correct}/{len(x_test)}) on {hvd.size()} rank(s) "
-              f"in {time.monotonic() - start:.1f} s", flush=True)
+    accuracy = evaluate(model, x_test, y_test, start)
     hvd.shutdown()
     return accuracy
 

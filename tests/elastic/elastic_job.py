@@ -13,7 +13,6 @@ decide when to kill a worker or change the hosts, and to measure reset times.
 """
 import json
 import os
-import sys
 import time
 
 import torch

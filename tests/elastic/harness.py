@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from hvdlite._liveness import _running as _alive  # a pid that runs and is no zombie
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(REPO, "tests", "elastic", "elastic_job.py")
 HARD_TIMEOUT = 100
@@ -131,14 +133,3 @@ class ElasticRun:
         later = [e for e in self.steps() if e["t"] > t]
         return min(e["t"] for e in later) if later else None
 
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
