@@ -54,7 +54,7 @@ setup(
     name="hvdlite",
     version="0.1.0",
     description="Horovod-style data-parallel training for PyTorch over torch.distributed",
-    packages=["hvdlite", "hvdlite.runner"],
+    packages=["hvdlite", "hvdlite.elastic", "hvdlite.ray", "hvdlite.runner"],
     package_dir={"hvdlite": "hvdlite", "hvdlite.runner": "runner"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
@@ -62,5 +62,5 @@ setup(
     python_requires=">=3.9",
     install_requires=[],
     # --config-file (horovodrun's YAML); broadcast_object of lambdas and local classes
-    extras_require={"config": ["pyyaml"], "objects": ["cloudpickle"]},
+    extras_require={"config": ["pyyaml"], "objects": ["cloudpickle"], "ray": ["ray[train]"]},
 )
