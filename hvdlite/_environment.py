@@ -71,26 +71,82 @@ def _check(topology):
     return topology
 
 
+def _split_top_level(text):
+    """'a[1,2],b' -> ['a[1,2]', 'b']: commas outside brackets separate hosts."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise LaunchEnvironmentError(f"hvdlite.init(): unbalanced ']' in SLURM node list {text!r}")
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth:
+        raise LaunchEnvironmentError(f"hvdlite.init(): unbalanced '[' in SLURM node list {text!r}")
+    return parts + [current]
+
+
+def _expand_host(item, nodelist):
+    match = re.search(r"\[([^\]]*)\]", item)
+    if not match:
+        return [item]
+    head, body, tail = item[:match.start()], match.group(1), item[match.end():]
+    hosts = []
+    for part in body.split(","):
+        bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if not bounds:
+            raise LaunchEnvironmentError(f"hvdlite.init(): cannot read {part!r} in SLURM node list {nodelist!r}")
+        lo, hi = bounds.group(1), bounds.group(2) or bounds.group(1)
+        for value in range(int(lo), int(hi) + 1):
+            hosts.extend(_expand_host(head + str(value).zfill(len(lo)) + tail, nodelist))
+    return hosts
+
+
+def expand_slurm_nodelist(nodelist):
+    """SLURM's compressed host list, expanded: 'node[01-03,07],gpu[1-2]-ib' -> ['node01',
+    'node02', 'node03', 'node07', 'gpu1-ib', 'gpu2-ib']; zero padding is kept, and several
+    bracket groups in one name expand to every combination (as SLURM does)."""
+    hosts = []
+    for item in _split_top_level(nodelist.strip()):
+        if item.strip():
+            hosts.extend(_expand_host(item.strip(), nodelist))
+    return hosts
+
+
 def first_slurm_host(nodelist):
     """'node[03-05,7],gpu1' -> 'node03'."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        return ""
-    prefix, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    hosts = expand_slurm_nodelist(nodelist) if nodelist.strip() else []
+    return hosts[0] if hosts else ""
 
 
-def _tasks_per_node(value, node):
-    """SLURM's '4(x2),3' compressed list -> tasks on node index `node`."""
+def slurm_counts(value):
+    """SLURM's '4(x2),3' compressed list of numbers -> [4, 4, 3] (None if unreadable)."""
     counts = []
     for part in value.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not m:
             return None
         counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def _tasks_per_node(value, node):
+    """SLURM's '4(x2),3' compressed list -> tasks on node index `node`."""
+    counts = slurm_counts(value) or []
     return counts[node] if node < len(counts) else None
+
+
+def slurm_port(env):
+    """The rendezvous port of a SLURM job step without MASTER_PORT: from the job id and the
+    step id, so that concurrent steps of one job (up to 10) and jobs sharing nodes differ."""
+    job = _opt_int(env, "SLURM_JOB_ID", _opt_int(env, "SLURM_JOBID", 0))
+    step = _opt_int(env, "SLURM_STEP_ID", 0) if env.get("SLURM_STEP_ID", "").isdigit() else 0
+    return 20000 + (job * 10 + step % 10) % 20000
 
 
 def detect(env=None):
@@ -154,8 +210,7 @@ def detect(env=None):
         topology = Topology(rank, size, local_rank, local_size, node, nodes, "slurm")
         addr = env.get("MASTER_ADDR") or first_slurm_host(
             env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "") or "127.0.0.1"
-        default_port = 20000 + _opt_int(env, "SLURM_JOB_ID", 0) % 20000
-        return _check(topology), Rendezvous(addr, _opt_int(env, "MASTER_PORT", default_port),
+        return _check(topology), Rendezvous(addr, _opt_int(env, "MASTER_PORT", slurm_port(env)),
                                             host_store=(rank == 0))
 
     return Topology(0, 1, 0, 1, 0, 1, "single"), Rendezvous()

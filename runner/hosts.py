@@ -105,6 +105,24 @@ def parse_hostfile(text: str, filename: str = "hostfile") -> List[Host]:
     return hosts
 
 
+def slurm_allocation(env) -> Optional[List[Host]]:
+    """The hosts of the SLURM allocation this process runs in (salloc, sbatch), or None.
+
+    Slots per host are the allocation's tasks per node when tasks were asked for (-n), else its
+    CPUs per node."""
+    from hvdlite._environment import expand_slurm_nodelist, slurm_counts
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    names = expand_slurm_nodelist(nodelist)
+    per_node = (env.get("SLURM_TASKS_PER_NODE") if env.get("SLURM_NTASKS") else None) \
+        or env.get("SLURM_JOB_CPUS_PER_NODE") or ""
+    counts = slurm_counts(per_node) if per_node else None
+    if not counts or len(counts) != len(names):
+        counts = [1] * len(names)
+    return [Host(name, count) for name, count in zip(names, counts)]
+
+
 def _check_unique(hosts: Sequence[Host]) -> None:
     seen = set()
     for host in hosts:

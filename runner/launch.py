@@ -9,7 +9,7 @@ from typing import List, NoReturn, Optional, Sequence, Tuple
 
 from .config import (DEFAULT_ELASTIC_TIMEOUT, DEFAULT_GRACE_PERIOD, DEFAULT_START_TIMEOUT,
                      CoreKnobs, ElasticConfig, JobConfig, SshOptions)
-from .hosts import HostSpecError, parse_host_list, parse_hostfile
+from .hosts import HostSpecError, parse_host_list, parse_hostfile, slurm_allocation
 from .network import NetworkError
 
 PROG = "hvdliterun"
@@ -21,7 +21,8 @@ Each rank runs COMMAND with its place in the job in its environment, which hvd.i
 (and plain torch.distributed code too, through torchrun's names). Every line a rank prints
 reaches this terminal prefixed with its rank: "[1]<stdout>: ..." or "[1]<stderr>: ...".
 
-Without -H or --hostfile all ranks run on this machine. Hosts named localhost, 127.x.x.x or
+Without -H or --hostfile all ranks run on this machine, or, inside a SLURM allocation
+(salloc, sbatch), on the allocation's hosts. Hosts named localhost, 127.x.x.x or
 this machine's own names and addresses run locally; every other host is reached with ssh
 (which must log in without a password), in the same working directory, with this launcher's
 environment forwarded.
@@ -306,7 +307,7 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
                 raise UsageError(f"cannot read --hostfile {args.hostfile}: {exc.strerror}")
             hosts = parse_hostfile(text, args.hostfile)
         else:
-            hosts = None
+            hosts = slurm_allocation(os.environ)  # inside salloc/sbatch: the allocation's hosts
         if hosts is None and args.np is None and elastic is None:
             raise UsageError("-np N is required when no hosts are given")
         np = args.np if args.np is not None else sum(h.slots for h in hosts) if hosts else 1

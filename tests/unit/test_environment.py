@@ -2,7 +2,8 @@
 
 import pytest
 
-from hvdlite._environment import LaunchEnvironmentError, detect, first_slurm_host
+from hvdlite._environment import (LaunchEnvironmentError, detect, expand_slurm_nodelist,
+                                  first_slurm_host)
 
 
 def test_no_launcher_is_a_single_rank():
@@ -50,8 +51,40 @@ def test_slurm_variables():
     topo, rdv = detect(env)
     assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size) == \
         (5, 8, 1, 4, 1, 2)
-    assert (rdv.addr, rdv.port, rdv.host_store) == ("gpu07", 20123, False)
+    # No MASTER_PORT: 20000 + (job id * 10 + step id % 10) % 20000 (step 0 here).
+    assert (rdv.addr, rdv.port, rdv.host_store) == ("gpu07", 21230, False)
+    assert detect({**env, "SLURM_STEP_ID": "3"})[1].port == 21233
+    rdv = detect({**env, "MASTER_PORT": "29000", "MASTER_ADDR": "head"})[1]
+    assert (rdv.addr, rdv.port) == ("head", 29000)
     assert first_slurm_host("a1,b2") == "a1" and first_slurm_host("n[3,5-6]") == "n3"
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("node01", ["node01"]),
+    ("a,b", ["a", "b"]),
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("gpu[8-10],cpu1", ["gpu8", "gpu9", "gpu10", "cpu1"]),
+    ("n[1-2]-ib,x[009-010]", ["n1-ib", "n2-ib", "x009", "x010"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+])
+def test_slurm_nodelist_expansion(nodelist, hosts):
+    assert expand_slurm_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["node[1-2", "node1-2]", "node[a-b]"])
+def test_slurm_nodelist_errors_name_the_list(nodelist):
+    with pytest.raises(LaunchEnvironmentError, match="SLURM node list"):
+        expand_slurm_nodelist(nodelist)
+
+
+def test_hvdliterun_inside_an_allocation_takes_its_hosts_and_slots():
+    from hvdlite.runner.hosts import Host, slurm_allocation
+    tasks = {"SLURM_JOB_NODELIST": "node[1-2],gpu5", "SLURM_NTASKS": "5",
+             "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_CPUS_PER_NODE": "8(x3)"}
+    assert slurm_allocation(tasks) == [Host("node1", 2), Host("node2", 2), Host("gpu5", 1)]
+    cpus = {k: v for k, v in tasks.items() if k not in ("SLURM_NTASKS",)}  # salloc -N3: CPUs
+    assert slurm_allocation(cpus) == [Host("node1", 8), Host("node2", 8), Host("gpu5", 8)]
+    assert slurm_allocation({}) is None
 
 
 @pytest.mark.parametrize("env,text", [
