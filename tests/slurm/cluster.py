@@ -46,6 +46,18 @@ def _answers(path):
             return False
 
 
+def _cgroup_mounts():
+    """Shell commands that mount the cgroup file systems as this machine mounts them (run
+    where /sys was mounted afresh); empty when /sys/fs/cgroup is already there."""
+    commands = ["[ -e /sys/fs/cgroup/cgroup.controllers ] || [ -e /sys/fs/cgroup/cpu ] || {"]
+    with open("/proc/mounts") as f:
+        for line in f:
+            device, where, kind, options = line.split()[:4]
+            if where.startswith("/sys/fs/cgroup") and kind in ("tmpfs", "cgroup", "cgroup2"):
+                commands.append(f"mkdir -p {where} && mount -t {kind} -o {options} {device} {where};")
+    return "\n".join(commands + ["}\n"])
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,21 +65,31 @@ def _free_port():
 
 
 class Cluster:
-    def __init__(self, cpus=4):
+    """`nodes`: (name, address) of each compute node, default this machine at 127.0.0.1;
+    `wrap(name, argv)` runs argv on node `name` (tests/multihost's hosts.command), default
+    here. slurmctld runs here, on `controller_addr`."""
+
+    def __init__(self, cpus=4, nodes=None, controller_addr="127.0.0.1", wrap=None):
         self.dir = tempfile.mkdtemp(prefix="hvdlite-slurm-")
         self.node = socket.gethostname()
+        self.nodes = nodes or [(self.node, "127.0.0.1")]
+        self.controller_addr = controller_addr
+        self.wrap = wrap or (lambda name, argv: argv)
         self.cpus = cpus
         self.conf = os.path.join(self.dir, "slurm.conf")
         self.env = {**os.environ, "SLURM_CONF": self.conf}
         self._munged = None
+        self._slurmd = []
 
     def _write_conf(self):
         d = self.dir
-        for sub in ("state", "spool", "munge"):
+        for sub in ["state"] + [f"spool-{name}" for name, _ in self.nodes]:
             os.makedirs(os.path.join(d, sub), exist_ok=True)
+        nodes = "\n".join(f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} State=UNKNOWN"
+                           for name, addr in self.nodes)
         with open(self.conf, "w") as f:
             f.write(f"""ClusterName=hvdlite
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={self.node}({self.controller_addr})
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort={_free_port()}
@@ -75,11 +97,11 @@ SlurmdPort={_free_port()}
 AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool-%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -91,7 +113,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SlurmdParameters=config_overrides
 KillWait=5
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
+{nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
@@ -108,19 +130,26 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         while not _answers("/run/munge/munge.socket.2") and time.monotonic() < deadline:
             time.sleep(0.05)
         subprocess.run(["/usr/sbin/slurmctld", "-f", self.conf], env=self.env, check=True, timeout=30)
-        subprocess.run(["/usr/sbin/slurmd", "-f", self.conf], env=self.env, check=True, timeout=30)
+        for name, _ in self.nodes:
+            # `ip netns exec` mounts a fresh /sys without cgroups, which slurmd insists on: mount
+            # them in the node's own mount namespace as this machine has them.
+            script = _cgroup_mounts() + 'exec "$@"'
+            argv = ["sh", "-c", script, "slurmd", "/usr/sbin/slurmd", "-D", "-N", name, "-f", self.conf]
+            self._slurmd.append(subprocess.Popen(
+                self.wrap(name, argv), env=self.env,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=self.env, capture_output=True,
-                                 text=True, timeout=10).stdout.strip()
-            if out in ("idle", "mix", "alloc"):
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True,
+                                 text=True, timeout=10).stdout.split()
+            if len(out) == len(self.nodes) and all(state in ("idle", "mix", "alloc") for state in out):
                 return self
             time.sleep(0.2)
         raise RuntimeError(f"the SLURM node did not come up: sinfo says {out!r}\n{self.logs()}")
 
     def logs(self):
         text = ""
-        for name in ("slurmctld.log", "slurmd.log"):
+        for name in ["slurmctld.log"] + [f"slurmd-{n}.log" for n, _ in self.nodes]:
             path = os.path.join(self.dir, name)
             if os.path.exists(path):
                 with open(path, errors="replace") as f:
@@ -133,7 +162,14 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def stop(self):
         subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=10)
-        for name in ("slurmd.pid", "slurmctld.pid"):
+        for proc in self._slurmd:
+            proc.terminate()
+        for proc in self._slurmd:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for name in ("slurmctld.pid",):
             path = os.path.join(self.dir, name)
             try:
                 with open(path) as f:
