@@ -48,6 +48,10 @@ examples:
       (# starts a comment)
   hvdliterun -np 2 --output-filename logs/ --fusion-threshold-mb 32 python train.py
       also writes logs/rank.0/stdout, logs/rank.0/stderr, logs/rank.1/...
+  hvdliterun --host-discovery-script ./hosts.sh --min-np 2 --max-np 8 python train.py
+      elastic: the job follows the hosts hosts.sh prints ("node1:4" per line), and keeps
+      training when ranks die (the script uses hvdlite.elastic); output lines are then
+      prefixed with a worker number, stable for the worker's life, as ranks change
   hvdliterun --check-build
       what this installation supports
 

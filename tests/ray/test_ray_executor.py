@@ -102,3 +102,15 @@ def test_dead_worker_is_named_and_shutdown_leaves_nothing(ray_cluster):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p for p in pids if _alive(p)] == []
+
+
+def test_ranks_follow_ray_placement_node_by_node(ray_cluster):
+    """Note [Ray placement], for a layout one machine cannot produce: workers 0-4 placed on
+    nodes b, a, b, c, a (in the order Ray answered)."""
+    from hvdlite.ray import places
+    ranks, by_rank = places(["b", "a", "b", "c", "a"])
+    # Node b first (it has worker 0), then a, then c; ranks node by node.
+    assert by_rank == [0, 2, 1, 4, 3]
+    # (rank, local_rank, local_size, cross_rank, cross_size) of each worker.
+    assert ranks == {0: (0, 0, 2, 0, 3), 2: (1, 1, 2, 0, 2), 1: (2, 0, 2, 1, 3),
+                     4: (3, 1, 2, 1, 2), 3: (4, 0, 1, 2, 3)}
