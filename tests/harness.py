@@ -140,3 +140,24 @@ def run_checks_in_ranks(module, names):
             outcomes[name] = f"rank {hvd.rank()}: {traceback.format_exc()}"
     hvd.shutdown()
     return outcomes
+
+
+def hard_timeout_fixture(seconds):
+    """An autouse pytest fixture that fails a test still running after `seconds` (SIGALRM in
+    the test process), so a bug fails the test instead of hanging CI. In a conftest:
+    ``_hard_timeout = hard_timeout_fixture(240)``."""
+    import signal
+
+    import pytest
+
+    @pytest.fixture(autouse=True)
+    def _hard_timeout():
+        def on_alarm(signum, frame):
+            raise TimeoutError(f"test exceeded {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.alarm(seconds)
+        yield
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return _hard_timeout

@@ -1,21 +1,10 @@
 """Every elastic test has a hard alarm on top of the harness's own deadlines."""
-import signal
-
 import pytest
 
 from tests.elastic.harness import HARD_TIMEOUT
+from tests.harness import hard_timeout_fixture
 
-
-@pytest.fixture(autouse=True)
-def _hard_timeout():
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"test exceeded {HARD_TIMEOUT + 20} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(HARD_TIMEOUT + 20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+_hard_timeout = hard_timeout_fixture(HARD_TIMEOUT + 20)
 
 
 @pytest.fixture

@@ -4,24 +4,14 @@ Without ray installed the tests skip; with HVDLITE_REQUIRE_RAY=1 (.ci/run sets i
 instead, so CI cannot pass without having run them. Every test has a hard alarm.
 """
 import os
-import signal
 
 import pytest
 
+from tests.harness import hard_timeout_fixture
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HARD_TIMEOUT = 240
-
-
-@pytest.fixture(autouse=True)
-def _hard_timeout():
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"test exceeded {HARD_TIMEOUT} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(HARD_TIMEOUT)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+_hard_timeout = hard_timeout_fixture(HARD_TIMEOUT)
 
 
 @pytest.fixture(scope="session")

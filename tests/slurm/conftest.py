@@ -1,25 +1,14 @@
 """The SLURM cluster fixture (tests/slurm/cluster.py). Without root or the packages the tests
 skip with the reason; with HVDLITE_REQUIRE_SLURM=1 (.ci/run sets it) they fail instead."""
 import os
-import signal
 
 import pytest
 
+from tests.harness import hard_timeout_fixture
 from tests.slurm import cluster as clusterlib
 
 HARD_TIMEOUT = 240
-
-
-@pytest.fixture(autouse=True)
-def _hard_timeout():
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"test exceeded {HARD_TIMEOUT} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(HARD_TIMEOUT)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+_hard_timeout = hard_timeout_fixture(HARD_TIMEOUT)
 
 
 @pytest.fixture(scope="session")
