@@ -105,8 +105,13 @@ def _check_tensor(fn, tensor, what="tensor", min_dim=0, dtypes=_SUPPORTED_DTYPE_
 def _check_tensors(fn, tensors, min_dim=0, dtypes=_SUPPORTED_DTYPE_SET):
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise TypeError(f"{fn}: expected a non-empty list of tensors, got {type(tensors).__name__}")
+    strided, tensor_type = torch.strided, torch.Tensor
     for i, t in enumerate(tensors):
-        _check_tensor(fn, t, f"tensors[{i}]", min_dim, dtypes)
+        # _check_tensor's common case inline (a call per tensor costs more than the test);
+        # anything else goes through it for the message.
+        if not (isinstance(t, tensor_type) and t.dtype in dtypes and t.layout == strided
+                and (t.is_cpu or t.is_cuda) and (min_dim == 0 or t.dim() >= min_dim)):
+            _check_tensor(fn, t, f"tensors[{i}]", min_dim, dtypes)
     return list(tensors)
 
 
@@ -178,9 +183,9 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
     if single:
         if inputs[0].is_cuda and runtime.groups[2] is None:
             _no_nccl(fn)
-    else:
+    elif any(t.is_cuda for t in inputs):  # (building a torch.device per tensor costs more)
         devices = {t.device.type for t in inputs}
-        if "cuda" in devices and runtime.groups[2] is None:
+        if runtime.groups[2] is None:
             _no_nccl(fn)
         if len(devices) > 1:
             raise ValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
@@ -203,10 +208,18 @@ def _no_nccl(fn):
                      "(torch.cuda.is_available() was False at hvdlite.init())")
 
 
+_member_names = {}  # (group, count) -> the members' names: the same every step
+
+
 def _group_names(fn, process_set, name, count):
     _, runtime = _runtime(fn, process_set)
     group = name or f"hvdlite.group.{next(runtime.name_ids)}"
-    return group, [f"{group}.{i}" for i in range(count)]
+    names = _member_names.get((group, count)) if name else None
+    if names is None:
+        names = [f"{group}.{i}" for i in range(count)]
+        if name and len(_member_names) < 4096:
+            _member_names[(group, count)] = names
+    return group, names
 
 
 def _first(outputs):
