@@ -15,10 +15,13 @@ stable ids, not ranks; each generation's ranks are handed out through the rendez
     process start;
   - ending a generation means setting its notice key, which makes every rank stop at the same
     operation (a rank that lost a peer stops by itself);
-  - when every live worker has asked for a place, the next generation is formed
+  - when every rank of the generation has asked for a place, the next generation is formed
     (plan_generation: survivors first, in their old order), with "restore" set if any worker
     failed since the last one; workers on removed or blacklisted hosts, or beyond --max-np, are
-    told to exit (with status 0, not counted as failures).
+    told to exit (with status 0, not counted as failures). New workers that have not asked yet
+    (still starting) join the generation after; a rank that has not asked --elastic-timeout
+    seconds after its generation ended (it hangs instead of failing) is killed and counts as
+    failed.
 The job stops with a message when --reset-limit resets have happened, when fewer than
 --min-np workers could be gathered for --elastic-timeout seconds, or when the discovery script
 fails on its first run. It succeeds when the workers finish with status 0.
@@ -268,8 +271,21 @@ class _Driver:
                     self._answer(w, {"action": "exit", "why": "the job is finishing: other workers "
                                                           "completed their training"})
             return
-        if any(w.asked is None for w in eligible):
-            return
+        if self.generation < 0:
+            if any(w.asked is None for w in eligible):  # the first generation waits for all
+                return
+        else:
+            late = [w for w in eligible if w.rank is not None and w.asked is None]
+            if late:
+                if self.ended_generation and now - self.reset_began > self.elastic.timeout:
+                    for w in late:  # a rank that hangs instead of leaving: it counts as failed
+                        self.announce(f"worker {w.wid} (rank {w.rank}, host {w.host}) did not leave "
+                                      f"generation {self.generation} within --elastic-timeout "
+                                      f"{self.elastic.timeout:g} s; killing it")
+                        self.group.kill(w.wid)
+                return
+            # New workers still starting join the generation after this one.
+            eligible = [w for w in eligible if w.asked is not None]
         wanted = self._wanted_slots(now)
         stay = [w for w in eligible if w.slot < wanted.get(w.host, 0)]
         if len(stay) < self.elastic.min_np:
@@ -307,6 +323,7 @@ class _Driver:
                 w.rank = place.rank
                 self._answer(w, {"action": "run", "generation": self.generation, "restore": restore,
                                  **place.__dict__})
+        self.newcomers.difference_update(places)
         if old >= 0 and not self.ended_generation:
             self._store_set(f"elastic/notice/{old}", b"end")
         self.ended_generation = False

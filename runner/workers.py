@@ -167,6 +167,10 @@ class WorkerGroup:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL one rank (and its process group); its exit arrives through next_exit."""
+        self._signal(self._workers[rank], signal.SIGKILL)
+
     def signal_all(self, sig: int) -> None:
         for rank in self.running():
             self._signal(self._workers[rank], sig)

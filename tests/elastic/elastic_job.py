@@ -26,6 +26,7 @@ STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
 COMMIT_EVERY = 3
 OUT = os.environ["ELASTIC_OUT"]
 CRASH_HOST = os.environ.get("ELASTIC_CRASH_HOST")  # its workers exit 3 after two steps
+HANG_HOST = os.environ.get("ELASTIC_HANG_HOST")  # its workers stop answering after four steps
 
 torch.set_num_threads(1)
 hvd.init()
@@ -77,6 +78,8 @@ def loop(state):
             crash_countdown[0] -= 1
             if CRASH_HOST == os.environ.get("HVDLITE_HOSTNAME") and crash_countdown[0] <= 0:
                 os._exit(3)
+            if HANG_HOST == os.environ.get("HVDLITE_HOSTNAME") and crash_countdown[0] <= -2:
+                time.sleep(3600)
             if state.batch % COMMIT_EVERY == 0:
                 state.commit()
             time.sleep(STEP_SECONDS)

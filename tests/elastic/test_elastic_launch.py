@@ -148,3 +148,20 @@ def test_one_rank_job_grows_when_a_host_is_added(elastic_runs):
     gens = _ranks_by_generation(run)
     assert {(r, s, h) for r, s, h, _ in gens[max(gens)]} == {(0, 2, "127.0.0.1"), (1, 2, "127.0.0.2")}
     run.check_every_sample_once_per_epoch()
+
+
+def test_rank_that_hangs_instead_of_leaving_is_killed_after_the_timeout(elastic_runs):
+    """127.0.0.3's worker stops answering (it sleeps); when 127.0.0.2's dies, 127.0.0.1's
+    leaves the generation but 127.0.0.3's never asks for a place, so after --elastic-timeout
+    the launcher kills it and the job goes on alone."""
+    run = _start(elastic_runs, ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"], "--elastic-timeout", "3",
+                 env={"ELASTIC_HANG_HOST": "127.0.0.3"})
+    run.wait_steps(4, host="127.0.0.3")
+    run.kill(run.pids_on("127.0.0.2"))
+    code, out = run.finish()
+    assert code == 0, out
+    assert "(rank 2, host 127.0.0.3) did not leave generation 0 within --elastic-timeout 3 s; killing it" \
+        in out, out
+    gens = _ranks_by_generation(run)
+    assert {(r, s, h) for r, s, h, _ in gens[max(gens)]} == {(0, 1, "127.0.0.1")}
+    run.check_every_sample_once_per_epoch()
