@@ -12,32 +12,21 @@ operations get a generated name from a per-process counter, so they match by cal
 several threads issue unnamed operations concurrently, give them names.
 """
 
-import numbers
-
 import torch
 
 from . import _state
+from ._checks import (  # noqa: F401 (the checks and constants other modules use as ops.*)
+    _ANY_DTYPE, _OP_NAMES, _REDUCIBLE, _SUPPORTED_DTYPES, _WIDENED, Adasum, Average, Max, Min,
+    Product, Sum, _check_name, _check_root, _check_scale, _check_splits, _check_tensor,
+    _check_tensors, _resolve_op)
 from ._native import _core
 from .adasum import adasum
 from .process_sets import ProcessSet, global_process_set
-
-# Reduce ops, with horovod.torch's values (csrc/types.h exports them).
-Average = _core.REDUCE_OPS["Average"]
-Sum = _core.REDUCE_OPS["Sum"]
-Adasum = _core.REDUCE_OPS["Adasum"]
-Min = _core.REDUCE_OPS["Min"]
-Max = _core.REDUCE_OPS["Max"]
-Product = _core.REDUCE_OPS["Product"]
-_OP_NAMES = {value: name for name, value in _core.REDUCE_OPS.items()}
 
 # Collective kinds of csrc/types.h.
 _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER, _BARRIER, _JOIN = (
     _core.COLLECTIVE_KINDS[name] for name in
     ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join"))
-
-# The dtypes the Gloo backend carries; NCCL carries the same for CUDA tensors.
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
-                     torch.int8, torch.int32, torch.int64)
 
 
 class _Pending:
@@ -60,104 +49,6 @@ class _Combined:
     def __init__(self, handles, finish):
         self.handles = handles
         self.finish = finish
-
-
-# ---- argument checks: local mistakes raise TypeError / ValueError at the call -------------------
-
-_SUPPORTED_DTYPE_SET = frozenset(_SUPPORTED_DTYPES)
-# Reduced through int32 and cast back (two's complement: sums wrap as they would in int16).
-_WIDENED = {torch.int16: torch.int32}
-
-
-class _AnyDtype:
-    """For collectives that only move bytes (Note [Collectives that move bytes] in
-    csrc/backend_c10d.cc): every dtype torch has."""
-
-    def __contains__(self, dtype):
-        return True
-
-
-_ANY_DTYPE = _AnyDtype()
-_REDUCIBLE = frozenset(_SUPPORTED_DTYPES) | frozenset(_WIDENED)
-
-
-def _check_tensor(fn, tensor, what="tensor", min_dim=0, dtypes=_SUPPORTED_DTYPE_SET):
-    if (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes
-            and tensor.layout == torch.strided and (tensor.is_cpu or tensor.is_cuda)
-            and (min_dim == 0 or tensor.dim() >= min_dim)):
-        return  # the common case, in one test; the checks below say what is wrong
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{fn}: expected a torch.Tensor for '{what}', got {type(tensor).__name__}")
-    if tensor.layout != torch.strided:
-        raise TypeError(f"{fn}: '{what}' is a {tensor.layout} tensor; only dense (strided) tensors "
-                        "are supported (densify sparse tensors with .to_dense())")
-    if tensor.dtype not in dtypes:
-        supported = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{fn}: '{what}' has dtype {str(tensor.dtype).replace('torch.', '')}, "
-                        f"which hvdlite does not support; supported: {supported}")
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{fn}: '{what}' is on {tensor.device}; hvdlite supports cpu and cuda tensors")
-    if tensor.dim() < min_dim:
-        raise ValueError(f"{fn}: '{what}' must have at least {min_dim} dimension(s), got a "
-                         f"{tensor.dim()}-d tensor")
-
-
-def _check_tensors(fn, tensors, min_dim=0, dtypes=_SUPPORTED_DTYPE_SET):
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise TypeError(f"{fn}: expected a non-empty list of tensors, got {type(tensors).__name__}")
-    strided, tensor_type = torch.strided, torch.Tensor
-    for i, t in enumerate(tensors):
-        # _check_tensor's common case inline (a call per tensor costs more than the test);
-        # anything else goes through it for the message.
-        if not (isinstance(t, tensor_type) and t.dtype in dtypes and t.layout == strided
-                and (t.is_cpu or t.is_cuda) and (min_dim == 0 or t.dim() >= min_dim)):
-            _check_tensor(fn, t, f"tensors[{i}]", min_dim, dtypes)
-    return list(tensors)
-
-
-def _check_name(fn, name):
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"{fn}: name must be a str or None, got {type(name).__name__}")
-    return name or ""
-
-
-def _check_scale(fn, arg, value):
-    if value == 1.0 and type(value) in (float, int):  # the common case, without ABC checks
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{fn}: {arg} must be finite, got {value}")
-    return value
-
-
-def _resolve_op(fn, average, op, allowed=(Average, Sum, Min, Max, Product, Adasum)):
-    if average is not None:
-        if op is not None:
-            raise ValueError(f"{fn}: pass either op= or the deprecated average=, not both")
-        return Average if average else Sum
-    if op is None:
-        return Average
-    if op == Adasum and not isinstance(op, bool) and Adasum not in allowed:
-        raise ValueError(f"{fn}: op=Adasum is not supported here (as in horovod.torch); Adasum is "
-                         "an allreduce")
-    if isinstance(op, bool) or op not in allowed:
-        names = ", ".join(_OP_NAMES[o] for o in allowed)
-        raise ValueError(f"{fn}: op must be one of {names}; got {op!r}")
-    return op
-
-
-def _check_root(fn, root_rank, runtime):
-    if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
-        raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
-    if runtime.size == _state.current().topology.size and runtime.ranks == list(range(runtime.size)):
-        if not 0 <= root_rank < runtime.size:
-            raise ValueError(f"{fn}: root_rank {root_rank} is out of range for a job of {runtime.size} ranks")
-        return int(root_rank)
-    if root_rank not in runtime.ranks:
-        raise ValueError(f"{fn}: root_rank {root_rank} is not in the process set {runtime.ranks}")
-    return runtime.ranks.index(root_rank)
 
 
 def _runtime(fn, process_set):
@@ -453,32 +344,6 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 # ---- alltoall ----------------------------------------------------------------------------------
-
-def _check_splits(fn, tensor, splits, size):
-    rows = tensor.shape[0]
-    if splits is None:
-        if rows % size:
-            raise ValueError(f"{fn}: without splits, dimension 0 ({rows}) must divide evenly over "
-                             f"{size} ranks")
-        return [rows // size] * size
-    if isinstance(splits, torch.Tensor):
-        if splits.is_floating_point() or splits.dim() != 1:
-            raise ValueError(f"{fn}: splits must be a 1-d integer tensor or a list of ints")
-        splits = splits.tolist()
-    try:
-        values = [int(s) for s in splits]
-        if any(isinstance(s, bool) or int(s) != s for s in splits):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ValueError(f"{fn}: splits must be a list of ints, got {splits!r}") from None
-    if len(values) != size:
-        raise ValueError(f"{fn}: splits has {len(values)} entries but the process set has {size} ranks")
-    if any(v < 0 for v in values):
-        raise ValueError(f"{fn}: splits must not be negative, got {values}")
-    if sum(values) != rows:
-        raise ValueError(f"{fn}: splits sum to {sum(values)} but dimension 0 of the tensor is {rows}")
-    return values
-
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Starts sending ``splits[r]`` rows of ``tensor`` (dimension 0, in order) to rank r and
