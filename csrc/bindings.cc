@@ -39,7 +39,8 @@ Config ConfigFromMap(const std::map<std::string, std::string>& env) {
 std::unique_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
                                    std::vector<c10::intrusive_ptr<c10d::Backend>> cpu,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int rank,
-                                   int size, const std::map<std::string, std::string>& settings) {
+                                   int size, const std::map<std::string, std::string>& settings,
+                                   std::shared_ptr<ShmChannel> shm) {
   Config config = ConfigFromMap(settings);
   std::unique_ptr<CollectiveBackend> cuda_backend;
   if (cuda && *cuda) cuda_backend = MakeC10dBackend(*cuda);
@@ -47,7 +48,7 @@ std::unique_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
   std::vector<std::unique_ptr<CollectiveBackend>> cpu_backends;
   for (auto& backend : cpu) cpu_backends.push_back(MakeC10dBackend(std::move(backend)));
   return std::make_unique<Engine>(config, rank, size, MakeC10dBackend(std::move(control)),
-                                  std::move(cpu_backends), std::move(cuda_backend));
+                                  std::move(cpu_backends), std::move(cuda_backend), std::move(shm));
 }
 
 // One tensor's arguments, as both enqueue bindings receive them.
@@ -116,6 +117,7 @@ py::dict ParseConfig(const std::map<std::string, std::string>& env) {
   out["gather_bytes"] = config.gather_bytes;
   out["gather_max_ms"] = config.gather_max_ms;
   out["autotune"] = config.autotune;
+  out["shared_memory"] = config.shared_memory;
   out["autotune_sample_seconds"] = config.autotune_sample_seconds;
   out["autotune_log_path"] = config.autotune_log_path;
   return out;
@@ -159,7 +161,8 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu"),
-           py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"))
+           py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
+           py::arg("shm").none(true) = nullptr)
       .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
       .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
       .def("poll",
@@ -179,15 +182,15 @@ PYBIND11_MODULE(_core, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait_all",
            [](Engine& engine, const std::vector<int64_t>& handles) {
-             // One call for a whole group: waits for every handle even after a failure, then
-             // reports the first failure.
+             // One call for a whole group: waits for every handle (even after a failure),
+             // then reports the first failure.
+             std::vector<at::Tensor> outputs;
+             std::vector<std::vector<int64_t>> aux;
+             std::vector<Status> statuses;
+             engine.WaitAll(handles, &outputs, &aux, &statuses);
+             for (const Status& status : statuses) Check(status);
              std::vector<std::pair<at::Tensor, std::vector<int64_t>>> results(handles.size());
-             Status first_error;
-             for (size_t i = 0; i < handles.size(); ++i) {
-               Status status = engine.Wait(handles[i], &results[i].first, &results[i].second);
-               if (!status.ok() && first_error.ok()) first_error = status;
-             }
-             Check(first_error);
+             for (size_t i = 0; i < handles.size(); ++i) results[i] = {std::move(outputs[i]), std::move(aux[i])};
              return results;
            },
            py::call_guard<py::gil_scoped_release>())
@@ -195,9 +198,18 @@ PYBIND11_MODULE(_core, m) {
       .def("shutdown", &Engine::Shutdown, py::arg("reason") = "", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
+      .def_property_readonly("shared_memory", &Engine::shared_memory)
       .def_property_readonly("fusion_threshold_bytes",
                              [](const Engine& e) { return e.config().fusion_threshold_bytes; })
       .def_property_readonly("cycle_time_ms", [](const Engine& e) { return e.config().cycle_time_ms; });
+
+  // Note [Shared-memory allreduce]: hvdlite/_groups.py creates, opens and unlinks the segment.
+  py::class_<ShmChannel, std::shared_ptr<ShmChannel>>(m, "ShmChannel")
+      .def(py::init<const std::string&, int, int, std::vector<int64_t>, double>(), py::arg("name"),
+           py::arg("rank"), py::arg("size"), py::arg("pids"), py::arg("timeout_seconds"))
+      .def_static("create", &ShmChannel::Create, py::arg("name"), py::arg("size"))
+      .def_static("unlink", &ShmChannel::Unlink, py::arg("name"))
+      .def_static("segment_bytes", &ShmChannel::SegmentBytes, py::arg("size"));
 
   DefineTestHooks(m);
   m.def("_parse_config", &ParseConfig);

@@ -66,7 +66,7 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
     const char* value = set(var);
     return value ? ParseInt(var, value, minimum, expected, field) : Status::Ok();
   };
-  int64_t autotune = 0;
+  int64_t autotune = 0, shared_memory = 1;
   const Status statuses[] = {
       integer("HVDLITE_FUSION_THRESHOLD", 0, "a number of bytes >= 0", &config.fusion_threshold_bytes),
       number("HVDLITE_CYCLE_TIME", 0.0, "milliseconds >= 0", &config.cycle_time_ms),
@@ -81,6 +81,7 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
       number("HVDLITE_GATHER_MAX_MS", 0.0, "milliseconds >= 0", &config.gather_max_ms),
       integer("HVDLITE_CPU_CHANNELS", 1, "a number of process groups from 1 to 16", &config.cpu_channels),
       integer("HVDLITE_AUTOTUNE", 0, "0 or 1", &autotune),
+      integer("HVDLITE_SHARED_MEMORY", 0, "0 or 1", &shared_memory),
       number("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", 0.001, "seconds >= 0.001",
              &config.autotune_sample_seconds),
       integer("HVDLITE_TEST_FORGET_CACHE_AT_ROUND", 0, "a round number >= 0",
@@ -97,6 +98,8 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
   }
   if (autotune > 1) return BadValue("HVDLITE_AUTOTUNE", set("HVDLITE_AUTOTUNE"), "0 or 1");
   config.autotune = autotune == 1;
+  if (shared_memory > 1) return BadValue("HVDLITE_SHARED_MEMORY", set("HVDLITE_SHARED_MEMORY"), "0 or 1");
+  config.shared_memory = shared_memory == 1;
   if (const char* value = set("HVDLITE_AUTOTUNE_LOG")) config.autotune_log_path = value;
   if (const char* value = set("HVDLITE_JOIN_AVERAGE")) {
     const std::string text = value;
@@ -120,7 +123,7 @@ const std::vector<std::string>& JobWideVariables() {
       "HVDLITE_INLINE_BYTES",             "HVDLITE_GATHER_BYTES",
       "HVDLITE_GATHER_MAX_MS",            "HVDLITE_CPU_CHANNELS",
       "HVDLITE_AUTOTUNE",                 "HVDLITE_AUTOTUNE_SAMPLE_SECONDS",
-      "HVDLITE_JOIN_AVERAGE",
+      "HVDLITE_JOIN_AVERAGE",             "HVDLITE_SHARED_MEMORY",
   };
   return kVariables;
 }
@@ -135,7 +138,7 @@ uint64_t JobWideDigest(const Config& c) {
   };
   const int64_t ints[] = {c.fusion_threshold_bytes, c.cache_capacity, c.inline_bytes,
                           c.gather_bytes, c.cpu_channels, c.autotune ? 1 : 0,
-                          c.average_over_contributors ? 1 : 0};
+                          c.average_over_contributors ? 1 : 0, c.shared_memory ? 1 : 0};
   const double doubles[] = {c.cycle_time_ms, c.idle_heartbeat_ms, c.stall_check_seconds,
                             c.stall_shutdown_seconds, c.gather_max_ms, c.autotune_sample_seconds};
   mix(ints, sizeof(ints));

@@ -55,6 +55,10 @@ struct Config {
   // HVDLITE_CPU_CHANNELS: Gloo process groups that carry CPU data; large allreduces are
   // striped over them (Note [CPU channels] in executor.h). Rank 0's value applies to the job.
   int64_t cpu_channels = 4;
+  // HVDLITE_SHARED_MEMORY: 1 (default) lets an engine whose ranks all run on one host allreduce
+  // CPU tensors through shared memory (Note [Shared-memory allreduce] in shm_channel.h); 0
+  // keeps everything on Gloo. Rank 0's value applies to the job.
+  bool shared_memory = true;
   // HVDLITE_AUTOTUNE: 1 makes rank 0 search the fusion threshold and cycle time during the
   // first samples of the job (Note [Autotune] in autotune.h); the two above are its start.
   bool autotune = false;

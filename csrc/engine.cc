@@ -31,7 +31,8 @@ std::vector<CollectiveBackend*> Pointers(const std::vector<std::unique_ptr<Colle
 }  // namespace
 
 Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
-               std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda)
+               std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
+               std::shared_ptr<ShmChannel> shm)
     : config_(config),
       rank_(rank),
       size_(size),
@@ -39,6 +40,7 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       control_backend_(std::move(control)),
       cpu_backends_(std::move(cpu)),
       cuda_backend_(std::move(cuda)),
+      shm_(std::move(shm)),
       timeline_(config.timeline_path, rank, size),
       channel_(control_backend_.get(), size),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
@@ -46,6 +48,7 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       executor_(rank, size, Pointers(cpu_backends_), cuda_backend_.get(), &queue_, &handles_, &timeline_),
       settings_digest_(JobWideDigest(config)),
       params_{config.fusion_threshold_bytes, config.cycle_time_ms} {
+  executor_.UseSharedMemory(shm_.get());
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
   }
@@ -124,15 +127,33 @@ Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* au
     queue_.RemoveWaiter();
   }
   if (!status.ok()) return status;
-  if (!completion.status.ok()) return completion.status;
-  if (completion.done_event && completion.output.defined()) {
-    // Make the caller's current stream wait for the engine's work, without blocking the CPU.
-    c10::Device device = completion.output.device();
-    c10::impl::VirtualGuardImpl impl(device.type());
-    completion.done_event->block(impl.getStream(device));
+  return TakeResult(&completion, output, aux);
+}
+
+void Engine::WaitAll(const std::vector<int64_t>& handles, std::vector<at::Tensor>* outputs,
+                     std::vector<std::vector<int64_t>>* aux, std::vector<Status>* statuses) {
+  std::vector<Completion> completions;
+  const bool blocks = !handles_.AllDone(handles);
+  if (blocks) queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
+  handles_.WaitAll(handles, &completions, statuses);
+  if (blocks) queue_.RemoveWaiter();
+  outputs->resize(handles.size());
+  aux->resize(handles.size());
+  for (size_t i = 0; i < handles.size(); ++i) {
+    if ((*statuses)[i].ok()) (*statuses)[i] = TakeResult(&completions[i], &(*outputs)[i], &(*aux)[i]);
   }
-  *output = std::move(completion.output);
-  *aux = std::move(completion.aux);
+}
+
+Status Engine::TakeResult(Completion* completion, at::Tensor* output, std::vector<int64_t>* aux) {
+  if (!completion->status.ok()) return completion->status;
+  if (completion->done_event && completion->output.defined()) {
+    // Make the caller's current stream wait for the engine's work, without blocking the CPU.
+    c10::Device device = completion->output.device();
+    c10::impl::VirtualGuardImpl impl(device.type());
+    completion->done_event->block(impl.getStream(device));
+  }
+  *output = std::move(completion->output);
+  *aux = std::move(completion->aux);
   return Status::Ok();
 }
 

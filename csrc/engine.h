@@ -89,7 +89,8 @@ class Engine {
   // `cuda` may be null. The engine starts its thread at once.
   // `cpu` holds one backend per CPU channel, at least one (Note [CPU channels] in executor.h).
   Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
-         std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda);
+         std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
+         std::shared_ptr<ShmChannel> shm = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -99,6 +100,10 @@ class Engine {
   Status Poll(int64_t handle, bool* done);
   // `aux`: alltoall's received splits, join's last rank (else empty).
   Status Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux);
+  // Waits for every handle of a group at once (Note [Completing in one step]); statuses[i] is
+  // handles[i]'s outcome.
+  void WaitAll(const std::vector<int64_t>& handles, std::vector<at::Tensor>* outputs,
+               std::vector<std::vector<int64_t>>* aux, std::vector<Status>* statuses);
   // Starts writing the timeline to `path` (empty: stops it); returns once the background thread
   // has switched, false if the engine has stopped.
   bool SetTimeline(const std::string& path);
@@ -109,8 +114,11 @@ class Engine {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const Config& config() const { return config_; }
+  bool shared_memory() const { return shm_ != nullptr; }
 
  private:
+  // A completed handle's result for its caller (the error it carries, or its output).
+  Status TakeResult(Completion* completion, at::Tensor* output, std::vector<int64_t>* aux);
   void Loop();
   // One negotiation round; returns false when the engine must stop.
   bool RunRound(bool* stuck, bool* quiet);
@@ -131,6 +139,7 @@ class Engine {
   std::unique_ptr<CollectiveBackend> control_backend_;
   std::vector<std::unique_ptr<CollectiveBackend>> cpu_backends_;
   std::unique_ptr<CollectiveBackend> cuda_backend_;
+  std::shared_ptr<ShmChannel> shm_;  // null unless every rank is on this host (Note [Shared-memory allreduce])
   TensorQueue queue_;
   HandleTable handles_;
   Timeline timeline_;

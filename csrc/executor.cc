@@ -75,6 +75,11 @@ void Executor::Trace(const std::vector<Local>& locals, int64_t start_us, int64_t
   }
 }
 
+bool Executor::UsesSharedMemory(CollectiveKind kind, c10::Device device) const {
+  return shm_ != nullptr && device.is_cpu() &&
+         (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter);
+}
+
 CollectiveBackend* Executor::BackendFor(c10::Device device) {
   return device.is_cpu() ? cpu_.front() : cuda_;
 }
@@ -186,7 +191,7 @@ void Executor::Execute(const Batch& batch) {
       throw StatusError(status);
     }
     Fail(locals, Status::Of(StatusCode::kRankFailure, KindName(kind), name,
-                            std::string("failed in ") + backend->name() + ": " + ExceptionText(e)));
+                            std::string("failed in ") + (UsesSharedMemory(kind, device) ? "shared memory" : backend->name()) + ": " + ExceptionText(e)));
     throw;
   }
 
@@ -201,11 +206,14 @@ void Executor::Execute(const Batch& batch) {
     }
   }
   if (timeline_->enabled()) Trace(locals, start_us, MonotonicMicros());
+  std::vector<std::pair<int64_t, Completion>> done;  // Note [Completing in one step]
+  done.reserve(locals.size());
   for (Local& local : locals) {
     if (local.neutral) continue;
-    handles_->Complete(local.entry.handle,
-                       Completion{Status::Ok(), local.entry.output, done_event, std::move(local.aux)});
+    done.emplace_back(local.entry.handle,
+                      Completion{Status::Ok(), local.entry.output, done_event, std::move(local.aux)});
   }
+  handles_->CompleteAll(&done);
   // `locals` dies here, outside every lock (Note [GIL and tensor references]).
 }
 

@@ -37,6 +37,7 @@
 
 #include "backend.h"
 #include "fusion.h"
+#include "shm_channel.h"
 #include "status_error.h"
 #include "tensor_queue.h"
 #include "timeline.h"
@@ -58,6 +59,8 @@ class Executor {
 
   void Execute(const Batch& batch);
   void ReleaseBuffers() { buffers_.Clear(); }
+  // Note [Shared-memory allreduce]: from now on every CPU allreduce goes through `shm`.
+  void UseSharedMemory(ShmChannel* shm) { shm_ = shm; }
 
  private:
   struct Local {
@@ -67,6 +70,7 @@ class Executor {
     std::vector<int64_t> aux;
   };
   CollectiveBackend* BackendFor(c10::Device device);
+  bool UsesSharedMemory(CollectiveKind kind, c10::Device device) const;
   Entry NeutralEntry(const ReadyItem& item);
   void Reduce(std::vector<Local>& locals, CollectiveBackend* backend);
   // Allreduces a flat contiguous tensor, striped over the CPU channels when it is large, and
@@ -93,6 +97,7 @@ class Executor {
   int size_;
   std::vector<CollectiveBackend*> cpu_;  // cpu_[0] serves everything that is not striped
   CollectiveBackend* cuda_;
+  ShmChannel* shm_ = nullptr;  // owned by the engine
   TensorQueue* queue_;
   HandleTable* handles_;
   FusionBufferPool buffers_;

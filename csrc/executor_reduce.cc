@@ -75,6 +75,11 @@ void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* b
                              const std::function<void(at::Tensor&)>& finish) {
   // Note [CPU channels]
   constexpr int64_t kStripeBytes = 8LL << 20;
+  if (shm_ != nullptr && flat.device().is_cpu()) {  // Note [Shared-memory allreduce]
+    shm_->Allreduce(flat, op);
+    finish(flat);
+    return;
+  }
   const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
   const int64_t stripes =
       flat.device().is_cpu() ? std::min<int64_t>(static_cast<int64_t>(cpu_.size()), bytes / kStripeBytes) : 1;

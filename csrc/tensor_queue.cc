@@ -145,6 +145,59 @@ void HandleTable::Complete(int64_t handle, Completion completion) {
   cv_.notify_all();
 }
 
+// Note [Completing in one step]
+// A fused batch completes all its handles at once. Completing them one by one, each with its
+// own notify, wakes a caller that waits for the whole group once per handle: on a machine
+// where the caller and the engine thread share cores, each of those wake-ups is a context
+// switch and a fight for this mutex (measured: 200 handles took 0.5 ms or 2-4 ms at random,
+// against 0.5 ms completed in one step). So a batch completes under one lock with one wake-up,
+// and a group's caller waits once for all of its handles.
+void HandleTable::CompleteAll(std::vector<std::pair<int64_t, Completion>>* done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [handle, completion] : *done) {
+      auto it = slots_.find(handle);
+      if (it == slots_.end()) continue;
+      it->second.done = true;
+      std::swap(it->second.completion, completion);
+    }
+  }
+  cv_.notify_all();
+  // `done` now holds the slots' empty completions; the caller drops them outside the lock.
+}
+
+bool HandleTable::AllDone(const std::vector<int64_t>& handles) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t handle : handles) {
+    auto it = slots_.find(handle);
+    if (it != slots_.end() && !it->second.done) return false;
+  }
+  return true;
+}
+
+void HandleTable::WaitAll(const std::vector<int64_t>& handles, std::vector<Completion>* out,
+                          std::vector<Status>* statuses) {
+  out->assign(handles.size(), Completion());
+  statuses->assign(handles.size(), Status::Ok());
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] {
+    for (int64_t handle : handles) {
+      auto it = slots_.find(handle);
+      if (it != slots_.end() && !it->second.done) return false;
+    }
+    return true;
+  });
+  for (size_t i = 0; i < handles.size(); ++i) {
+    auto it = slots_.find(handles[i]);
+    if (it == slots_.end()) {
+      (*statuses)[i] = UnknownHandle(handles[i]);
+      continue;
+    }
+    (*out)[i] = std::move(it->second.completion);
+    slots_.erase(it);
+  }
+}
+
 Status HandleTable::Poll(int64_t handle, bool* done) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = slots_.find(handle);

@@ -99,12 +99,20 @@ class HandleTable {
  public:
   int64_t Create();
   void Complete(int64_t handle, Completion completion);
+  // Note [Completing in one step]: many handles under one lock, with one wake-up.
+  void CompleteAll(std::vector<std::pair<int64_t, Completion>>* done);
   // kInvalidArgument for a handle that does not exist (never created or already waited on).
   Status Poll(int64_t handle, bool* done);
   // Forgets a handle whose operation was never queued.
   void Discard(int64_t handle);
   // Blocks until the handle completes, then consumes it.
   Status Wait(int64_t handle, Completion* out);
+  // Blocks until every handle completes, then consumes them all; statuses[i] is handles[i]'s
+  // own error (an unknown handle), and `out` holds the completions in the same order.
+  void WaitAll(const std::vector<int64_t>& handles, std::vector<Completion>* out,
+               std::vector<Status>* statuses);
+  // True when every handle has completed (unknown ones count as completed).
+  bool AllDone(const std::vector<int64_t>& handles);
   // Consumes the handle if it has completed (true); false if it is still running. An unknown
   // handle counts as completed, with that error in `status`.
   bool TryTake(int64_t handle, Completion* out, Status* status);

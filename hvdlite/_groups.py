@@ -2,13 +2,16 @@
 
 Each engine (the global one, and one per process set) gets a Gloo group for negotiation,
 HVDLITE_CPU_CHANNELS Gloo groups for CPU data (large allreduces are striped over them, Note
-[CPU channels] in csrc/executor.h) and an NCCL group where CUDA is available. The settings
+[CPU channels] in csrc/executor.h), an NCCL group where CUDA is available, and, when all its
+ranks run on one host, a shared-memory channel for CPU allreduces (Note [Shared-memory
+allreduce] in csrc/shm_channel.h). The settings
 mapping is the same on every rank for the job-wide variables (Note [Job-wide settings] in
 csrc/config.h), so every rank creates the same groups.
 """
 
 import datetime
 import os
+import secrets
 
 import torch
 import torch.distributed as dist
@@ -69,10 +72,45 @@ def _nccl_group(store, rank, size):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def start_engine(context, tag, rank, size):
+def _shared_memory(store, base, rank, size, settings, members):
+    """Note [Shared-memory allreduce]: the channel, on every rank or on none.
+
+    Only for an engine whose ranks (`members`: their records, in engine rank order) all report
+    this host. Rank 0 creates the segment and publishes its name; every rank maps it and says
+    whether it could; each rank reads every answer, so all reach the same verdict; then rank 0
+    unlinks the name (the mappings stay), so nothing is left in /dev/shm whatever happens next.
+    """
+    if size < 2 or members is None or not _core._parse_config(settings)["shared_memory"]:
+        return None
+    if len({m["host"] for m in members}) != 1:
+        return None
+    key = f"{base}shm"
+    if rank == 0:
+        name = f"/hvdlite.{os.getpid()}.{secrets.token_hex(6)}"
+        store.set(key, "" if _core.ShmChannel.create(name, size) else name)
+    store.wait([key])
+    name = store.get(key).decode()
+    channel = None
+    if name:
+        try:
+            channel = _core.ShmChannel(name, rank, size, [m["pid"] for m in members],
+                                       _timeout().total_seconds())
+        except RuntimeError:
+            channel = None
+    store.set(f"{key}/{rank}", "1" if channel is not None else "0")
+    answers = [f"{key}/{r}" for r in range(size)]
+    store.wait(answers)
+    agreed = all(v == b"1" for v in store.multi_get(answers))
+    if rank == 0 and name:
+        _core.ShmChannel.unlink(name)
+    return channel if agreed else None
+
+
+def start_engine(context, tag, rank, size, members=None):
     """Creates the process groups of one engine over `size` ranks and starts it.
 
-    `context` is (store, key prefix, loopback, settings); returns (engine, groups).
+    `context` is (store, key prefix, loopback, settings); `members` the records (host, pid)
+    of the engine's ranks, in order. Returns (engine, groups).
     """
     store, prefix, loopback, settings = context
     base = f"{prefix}{tag}/"
@@ -82,10 +120,11 @@ def start_engine(context, tag, rank, size):
         cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
                for i in range(channels)]
         cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
+        shm = _shared_memory(store, base, rank, size, settings, members)
     except RuntimeError as exc:
         hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
                 "other (hvdliterun finds one by itself)" if not loopback else "")
         raise RankFailureError(f"hvdlite.init(): rank {rank} could not connect its process groups to "
                                f"the other ranks: {exc}{hint}", op="init") from None
-    engine = _core.Engine(control, cpu, cuda, rank, size, settings)
+    engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm)
     return engine, (control, cpu, cuda)

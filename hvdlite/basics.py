@@ -124,7 +124,7 @@ def init(comm=None, process_sets=None):
         _settings.check_records(peers)
         settings = _settings.in_force(peers, topology.rank)
         engine, groups = _groups.start_engine((store, prefix, loopback, settings), "global",
-                                              topology.rank, topology.size)
+                                              topology.rank, topology.size, peers)
         sets = {0: _state.SetRuntime(list(range(topology.size)), engine, groups, topology.rank)}
         if topology.source == "torch.distributed":
             topology = _topology_from_hosts(topology, [p["host"] for p in peers])

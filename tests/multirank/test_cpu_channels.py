@@ -2,21 +2,26 @@
 
 Striping starts at 16 MiB; these tensors are cut into 2 to 4 stripes, with element counts that
 do not divide evenly, and every rank's result is checked against an independent reference.
+All ranks of these jobs share one host, where CPU allreduces would go through shared memory
+(tests/multirank/test_shared_memory.py); HVDLITE_SHARED_MEMORY=0 keeps them on the channels.
 """
 
 import pytest
 import torch
 
 import hvdlite as hvd
+from hvdlite import _state
 from tests.harness import Job, run_ranks
 from tests.multirank._reference import assert_close, rank_input, reduce_reference
 
 MIB = 1 << 20
+GLOO_ONLY = {"HVDLITE_SHARED_MEMORY": "0"}
 
 
 def _striped_allreduces():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    assert not _state.current().sets[0].engine.shared_memory  # the channels carry these
     cases = [
         # (seed, elements, dtype, op): 17 to 33 MiB of float32, int32, float64, int64
         (1, 17 * MIB // 4 + 3, torch.float32, hvd.Sum),
@@ -46,12 +51,12 @@ def _striped_allreduces():
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_striped_allreduce_matches_reference(size):
-    assert all(run_ranks(size, __name__, "_striped_allreduces", timeout=120))
+    assert all(run_ranks(size, __name__, "_striped_allreduces", timeout=120, env=GLOO_ONLY))
 
 
 def test_channel_count_is_rank_0s_when_ranks_disagree():
     # rank 1 asks for one channel, rank 0 for three: everyone must use rank 0's three groups,
     # or the group rendezvous would hang; results must still be exact
-    job = Job(2, __name__, "_striped_allreduces", env={"HVDLITE_CPU_CHANNELS": "3"},
+    job = Job(2, __name__, "_striped_allreduces", env={"HVDLITE_CPU_CHANNELS": "3", **GLOO_ONLY},
               rank_env_extra={1: {"HVDLITE_CPU_CHANNELS": "1"}})
     assert all(job.wait(timeout=120))

@@ -1,0 +1,229 @@
+#include "shm_channel.h"
+
+#include <ATen/Functions.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <cstdlib>
+#include <stdexcept>
+#include <thread>
+
+namespace hvdlite {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kSpin = std::chrono::microseconds(50);  // before sleeping on the futex
+constexpr int kCheckMs = 10;                           // a sleeper checks its peers this often
+
+inline void Relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// False once `pid` has exited (a zombie has exited too); true when unsure.
+bool Alive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  return paren == std::string::npos || paren + 2 >= text.size() || text[paren + 2] != 'Z';
+}
+
+void FutexWait(std::atomic<uint32_t>* word, uint32_t seen, int timeout_ms) {
+  timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+
+void FutexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// out = a (op) b, elementwise; `out` may be `a`.
+void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: at::minimum_out(out, a, b); return;
+    case ReduceOp::kMax: at::maximum_out(out, a, b); return;
+    case ReduceOp::kProduct: at::mul_out(out, a, b); return;
+    default: at::add_out(out, a, b); return;
+  }
+}
+
+}  // namespace
+
+size_t ShmChannel::HeaderBytes(int size) {
+  const size_t bytes = 64 + 64 * static_cast<size_t>(size);
+  return (bytes + 4095) / 4096 * 4096;
+}
+
+int64_t ShmChannel::ChunkBytes(int size) {
+  // Two banks of (size + 1) areas within ~32 MB, in multiples of 64 KB (so every dtype's
+  // elements divide it), between 256 KB and 4 MB.
+  int64_t chunk = (32LL << 20) / (2 * (size + 1));
+  chunk = chunk / (64 << 10) * (64 << 10);
+  return std::clamp<int64_t>(chunk, 256LL << 10, 4LL << 20);
+}
+
+size_t ShmChannel::SegmentBytes(int size) {
+  return HeaderBytes(size) + 2 * static_cast<size_t>(size + 1) * static_cast<size_t>(ChunkBytes(size));
+}
+
+std::string ShmChannel::Create(const std::string& name, int size) {
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) return Errno("shm_open(" + name + ")");
+  const off_t bytes = static_cast<off_t>(SegmentBytes(size));
+  std::string error;
+  if (ftruncate(fd, bytes) != 0) {
+    error = Errno("ftruncate");
+  } else if (const int rc = posix_fallocate(fd, 0, bytes); rc != 0) {
+    errno = rc;
+    error = Errno("reserving " + std::to_string(bytes) + " bytes of shared memory");
+  }
+  close(fd);
+  if (!error.empty()) shm_unlink(name.c_str());
+  return error;
+}
+
+void ShmChannel::Unlink(const std::string& name) { shm_unlink(name.c_str()); }
+
+ShmChannel::ShmChannel(const std::string& name, int rank, int size, std::vector<int64_t> pids,
+                       double timeout_seconds)
+    : name_(name),
+      rank_(rank),
+      size_(size),
+      pids_(std::move(pids)),
+      timeout_seconds_(timeout_seconds),
+      bytes_(SegmentBytes(size)),
+      chunk_(ChunkBytes(size)) {
+  if (static_cast<int>(pids_.size()) != size) throw std::runtime_error("shared memory: one pid per rank expected");
+  const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) throw std::runtime_error(Errno("shm_open(" + name + ")"));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes_) {
+    close(fd);
+    throw std::runtime_error("shared memory segment " + name + " has the wrong size");
+  }
+  base_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base_ == MAP_FAILED) {
+    base_ = nullptr;
+    throw std::runtime_error(Errno("mmap of shared memory segment " + name));
+  }
+  header_ = static_cast<Header*>(base_);
+  // Test hook (tests/multirank/test_shared_memory.py): this rank pauses inside every allreduce
+  // before its first barrier, so a test can kill it while the others wait in the channel.
+  if (const char* delay = std::getenv("HVDLITE_TEST_SHM_DELAY_MS")) test_delay_ms_ = std::atoll(delay);
+}
+
+ShmChannel::~ShmChannel() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+std::atomic<uint64_t>& ShmChannel::Arrived(int rank) const {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + 64 + 64 * rank);
+}
+
+char* ShmChannel::Slot(int bank, int rank) const {
+  return static_cast<char*>(base_) + HeaderBytes(size_) + (static_cast<size_t>(bank) * (size_ + 1) + rank) * chunk_;
+}
+
+char* ShmChannel::Result(int bank) const { return Slot(bank, size_); }
+
+void ShmChannel::Abort() {
+  int32_t none = 0;
+  header_->abort.compare_exchange_strong(none, rank_ + 1);
+  header_->futex.fetch_add(1);
+  FutexWakeAll(&header_->futex);
+}
+
+void ShmChannel::Barrier() {
+  const uint64_t target = ++barriers_;
+  Arrived(rank_).store(target);
+  header_->futex.fetch_add(1);
+  if (header_->sleepers.load() > 0) FutexWakeAll(&header_->futex);
+  Wait(target);
+}
+
+void ShmChannel::Wait(uint64_t target) {
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds_));
+  auto last_check = start;
+  for (int r = 0; r < size_; ++r) {
+    std::atomic<uint64_t>& arrived = Arrived(r);
+    unsigned spins = 0;
+    while (arrived.load() < target) {
+      if (const int32_t aborted = header_->abort.load(); aborted != 0) {
+        throw std::runtime_error("rank " + std::to_string(aborted - 1) +
+                                 " gave up during a shared-memory allreduce");
+      }
+      if ((++spins & 63) != 0 || Clock::now() - start < kSpin) {
+        Relax();
+        continue;
+      }
+      header_->sleepers.fetch_add(1);
+      const uint32_t seen = header_->futex.load();
+      if (arrived.load() < target && header_->abort.load() == 0) FutexWait(&header_->futex, seen, kCheckMs);
+      header_->sleepers.fetch_sub(1);
+      const auto now = Clock::now();
+      if (now - last_check < std::chrono::milliseconds(kCheckMs) || arrived.load() >= target) continue;
+      last_check = now;
+      if (!Alive(pids_[r])) {
+        throw std::runtime_error("rank " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) +
+                                 ") exited during a shared-memory allreduce");
+      }
+      if (now > deadline) {
+        throw std::runtime_error("rank " + std::to_string(r) + " did not reach a shared-memory allreduce within " +
+                                 std::to_string(static_cast<int64_t>(timeout_seconds_)) + " s");
+      }
+    }
+  }
+}
+
+void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op) {
+  const int64_t element = static_cast<int64_t>(flat.element_size());
+  const int64_t per_chunk = chunk_ / element;
+  const int64_t total = flat.numel();
+  auto* data = static_cast<char*>(flat.data_ptr());
+  const auto options = at::TensorOptions().dtype(flat.scalar_type());
+  try {
+    if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
+    for (int64_t offset = 0; offset < total; offset += per_chunk) {
+      const int64_t n = std::min(per_chunk, total - offset);
+      const int bank = bank_;
+      bank_ ^= 1;
+      std::memcpy(Slot(bank, rank_), data + offset * element, n * element);
+      Barrier();
+      const int64_t share = (n + size_ - 1) / size_;
+      const int64_t begin = std::min(n, rank_ * share), end = std::min(n, begin + share);
+      if (end > begin) {
+        auto view = [&](char* area) { return at::from_blob(area + begin * element, {end - begin}, options); };
+        at::Tensor result = view(Result(bank));
+        Combine(result, view(Slot(bank, 0)), view(Slot(bank, 1)), op);
+        for (int r = 2; r < size_; ++r) Combine(result, result, view(Slot(bank, r)), op);
+      }
+      Barrier();
+      std::memcpy(data + offset * element, Result(bank), n * element);
+    }
+  } catch (...) {
+    Abort();
+    throw;
+  }
+}
+
+}  // namespace hvdlite

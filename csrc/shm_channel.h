@@ -1,0 +1,97 @@
+// ShmChannel: allreduce through one shared-memory segment, for the ranks of an engine that all
+// run on one host.
+//
+// Note [Shared-memory allreduce]
+// On one host, a Gloo allreduce still moves every byte through loopback TCP: system calls,
+// kernel copies and wake-ups on the cores that also run the ranks' compute. Through a shared
+// segment each rank copies its data in once, reduces its own share of everyone's data, and
+// copies the whole result out once. Measured on the 2-rank reference machine: 64 MB took
+// 15 ms against Gloo's 39 ms, 800 KB 0.08 ms against 0.48 ms.
+//
+// Layout: a header page (one arrival counter per rank, each on its own cache line, a wake-up
+// word and an abort word), then two banks, each holding one slot per rank and one result area
+// of ChunkBytes (4 MB, less for many ranks, so the segment stays near 32 MB). A buffer is
+// processed in chunks of at most that, alternating banks:
+//   1. copy my chunk into my slot of the bank; barrier;
+//   2. reduce my share (elements [rank*share, (rank+1)*share) of the chunk) over every rank's
+//      slot into the bank's result area; barrier;
+//   3. copy the bank's whole result area into my chunk of the buffer.
+// Step 3 of chunk k needs no third barrier: chunk k+2 reuses the bank, and every rank writes
+// it only after the first barrier of chunk k+1, which no rank passes before all have left
+// chunk k. Every rank sums in the same order (rank 0's value first), and every rank copies the
+// same result area, so every rank receives bit-identical results.
+//
+// Barriers spin briefly, then sleep on a futex in the segment. A sleeping rank wakes every
+// kCheckMs to check that the ranks it waits for are alive (their pids, which all live on this
+// host); a rank that exited makes this one throw naming it (the engine then reports a rank
+// failure, as for a broken Gloo connection). A rank that fails inside the channel sets the
+// abort word, so the others throw at once instead of waiting. A rank that is alive but never
+// arrives is given the process-group timeout, as Gloo would.
+//
+// Every rank takes this path for the same collectives: Python opens the channel on every rank
+// or on none (hvdlite/_groups.py), and the executor uses it for every CPU allreduce.
+// Background thread only, like the other backends.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "types.h"
+
+namespace hvdlite {
+
+class ShmChannel {
+ public:
+  // Creates (rank 0's job) a zero-filled segment for `size` ranks under `name` (a POSIX shared
+  // memory name such as "/hvdlite.123.abc"); the pages are reserved now, so a full /dev/shm is
+  // an error here instead of a SIGBUS later. Returns "" or what went wrong.
+  static std::string Create(const std::string& name, int size);
+  static void Unlink(const std::string& name);
+  // Maps the segment; throws std::runtime_error when it cannot.
+  ShmChannel(const std::string& name, int rank, int size, std::vector<int64_t> pids, double timeout_seconds);
+  ~ShmChannel();
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
+
+  // In place; op is kSum, kMin, kMax or kProduct. Throws std::runtime_error naming the rank
+  // when a peer exited, aborted or timed out.
+  void Allreduce(at::Tensor& flat, ReduceOp op);
+
+  static size_t SegmentBytes(int size);
+
+ private:
+  // The header page: the words below, then one arrival counter per rank at 64 + 64 * rank.
+  struct Header {
+    std::atomic<uint32_t> futex;    // bumped by every arrival; sleepers wait on it
+    std::atomic<int32_t> sleepers;  // ranks asleep (or about to be) on `futex`
+    std::atomic<int32_t> abort;     // 0, or 1 + the rank that gave up
+  };
+  static size_t HeaderBytes(int size);
+  static int64_t ChunkBytes(int size);
+  std::atomic<uint64_t>& Arrived(int rank) const;
+
+  void Barrier();
+  void Wait(uint64_t target);
+  void Abort();
+  char* Slot(int bank, int rank) const;
+  char* Result(int bank) const;
+
+  std::string name_;
+  int rank_;
+  int size_;
+  std::vector<int64_t> pids_;
+  double timeout_seconds_;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  Header* header_ = nullptr;
+  uint64_t barriers_ = 0;  // barriers this rank has completed
+  int bank_ = 0;
+  int64_t test_delay_ms_ = 0;  // HVDLITE_TEST_SHM_DELAY_MS, a test hook (see the constructor)
+  int64_t chunk_ = 0;  // bytes per slot (ChunkBytes)
+};
+
+}  // namespace hvdlite

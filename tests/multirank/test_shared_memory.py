@@ -1,0 +1,127 @@
+"""CPU allreduces through shared memory when every rank runs on this host (Note [Shared-memory
+allreduce], csrc/shm_channel.h): every dtype and op against an independent reference, buffers
+that span several chunks, a process set, the switch that turns it off, and a rank killed while
+the others wait inside the channel."""
+
+import glob
+import time
+
+import pytest
+import torch
+
+import hvdlite as hvd
+from hvdlite import _state
+from tests.harness import Job, run_ranks
+from tests.multirank._reference import assert_close, rank_input, reduce_reference
+
+CHUNK = 4 << 20  # ShmChannel::ChunkBytes for 2 and 3 ranks
+
+
+def _leftover_segments():
+    return glob.glob("/dev/shm/hvdlite.*")
+
+
+def _allreduces(expect_shared):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    assert _state.current().sets[0].engine.shared_memory == expect_shared
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+              torch.int16, torch.int32, torch.int64]
+    ops = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
+    seed = 0
+    for dtype in dtypes:
+        for op in ops:
+            if op == hvd.Product and dtype == torch.uint8:
+                continue
+            seed += 1
+            n = 1000 + 7 * seed  # above the inline size: these go through the data path
+            inputs = [rank_input(seed, r, (n,), dtype, op) for r in range(size)]
+            got = hvd.allreduce(inputs[rank], op=op, name=f"t.{seed}")
+            assert_close(got, reduce_reference(inputs, op), dtype, f"{dtype} op {op} on rank {rank}")
+    # rank 0 unlinked the name once every rank had mapped the segment, before its first round
+    assert not _leftover_segments(), "the segment's name must be unlinked once every rank mapped it"
+    # several chunks (alternating banks), an element count no share divides, pre- and postscale
+    for i, (n, dtype) in enumerate([(5 * CHUNK // 4 + 3, torch.float32), (2 * CHUNK // 8 + 5, torch.float64),
+                                    (CHUNK // 4 * 3 + 1, torch.int32)]):
+        inputs = [rank_input(100 + i, r, (n,), dtype) for r in range(size)]
+        got = hvd.allreduce(inputs[rank], op=hvd.Sum, name=f"big.{i}", prescale_factor=2.0,
+                            postscale_factor=0.5)
+        assert_close(got, reduce_reference(inputs, hvd.Sum, 2.0, 0.5), dtype, f"big {i} on rank {rank}")
+    # fused through one buffer, in place, grouped and async
+    shapes = [(300, 70), (5,), (1_100_001,), (2, 3, 4)]
+    inputs = [[rank_input(200 + i, r, s, torch.float32) for i, s in enumerate(shapes)] for r in range(size)]
+    mine = [t.clone() for t in inputs[rank]]
+    hvd.grouped_allreduce_(mine, op=hvd.Sum, name="group")
+    for i, t in enumerate(mine):
+        assert_close(t, reduce_reference([inputs[r][i] for r in range(size)], hvd.Sum), torch.float32,
+                     f"grouped tensor {i} on rank {rank}")
+    mine = [t.clone() for t in inputs[rank]]
+    for h in [hvd.allreduce_async_(t, op=hvd.Average, name=f"async.{i}") for i, t in enumerate(mine)]:
+        hvd.synchronize(h)
+    for i, t in enumerate(mine):
+        assert_close(t, reduce_reference([inputs[r][i] for r in range(size)], hvd.Average), torch.float32,
+                     f"async tensor {i} on rank {rank}")
+    # reducescatter reduces through the same path
+    rows = [rank_input(300, r, (size * 5 + 1, 1000), torch.float32) for r in range(size)]
+    got = hvd.reducescatter(rows[rank], op=hvd.Sum, name="rs")
+    full = reduce_reference(rows, hvd.Sum)
+    assert_close(got, full.tensor_split(size)[rank], torch.float32, f"reducescatter on rank {rank}")
+    # a process set of the first and last rank gets its own segment
+    subset = hvd.add_process_set([0, size - 1])
+    if rank in (0, size - 1):
+        assert _state.current().sets[subset.process_set_id].engine.shared_memory == expect_shared
+        inputs = [rank_input(400, r, (CHUNK // 4 + 9,), torch.float32) for r in (0, size - 1)]
+        got = hvd.allreduce(inputs[0 if rank == 0 else 1], op=hvd.Sum, name="subset", process_set=subset)
+        assert_close(got, reduce_reference(inputs, hvd.Sum), torch.float32, f"process set on rank {rank}")
+    hvd.remove_process_set(subset)
+    hvd.shutdown()
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_shared_memory_allreduce_matches_reference(size):
+    assert all(run_ranks(size, __name__, "_allreduces", True, timeout=180))
+    assert not _leftover_segments()
+
+
+def test_switched_off_with_hvdlite_shared_memory_0():
+    assert all(run_ranks(2, __name__, "_allreduces", False, timeout=180,
+                         env={"HVDLITE_SHARED_MEMORY": "0"}))
+
+
+def _victim_or_survivor(victim):
+    hvd.init()
+    assert _state.current().sets[0].engine.shared_memory
+    big = torch.ones(CHUNK)  # four chunks
+    hvd.allreduce(big, name="warm-up")
+    print("READY", flush=True)
+    started = time.time()
+    try:
+        hvd.allreduce(big, name="never-completes")  # the victim pauses inside the channel
+    except hvd.RankFailureError as exc:
+        return time.time() - started, time.time(), str(exc), exc.ranks
+    return None
+
+
+def test_rank_killed_inside_the_channel_fails_the_others_naming_it():
+    size, victim = 3, 2
+    job = Job(size, __name__, "_victim_or_survivor", victim,
+              rank_env_extra={victim: {"HVDLITE_TEST_SHM_DELAY_MS": "1000"}})
+    deadline = time.monotonic() + 60
+    while any("READY" not in job.output(r) for r in range(size)):
+        assert time.monotonic() < deadline, "the ranks never got ready"
+        time.sleep(0.05)
+    # the victim's first allreduce paused 1 s inside the channel; its second does too
+    time.sleep(0.5)
+    killed_at = time.time()
+    job.kill(victim)
+    results = job.wait(timeout=60, allow_failure=(victim,))
+    for rank, outcome in enumerate(results):
+        if rank == victim:
+            continue
+        assert outcome is not None, f"rank {rank}: the allreduce completed without rank {victim}"
+        _, failed_at, message, ranks = outcome
+        assert failed_at - killed_at < 5, f"rank {rank} took {failed_at - killed_at:.1f} s to notice"
+        assert f"rank {victim}" in message and "shared memory" in message, message
+        assert victim in (ranks or []), (ranks, message)
+    assert not _leftover_segments()
