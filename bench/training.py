@@ -18,7 +18,7 @@ First, DDP and hvdlite train a few steps from identical weights on identical dat
 rank asserts that their parameters agree (and agree across ranks); any difference stops the
 run on every rank. Then the methods are timed interleaved round by round (one round = one
 sample of --steps-per-round steps per method); the table shows medians per step and the ratio to
-DDP, with the target hvdlite <= 0.95x DDP (issue 6). Last, a short per-phase breakdown (forward,
+DDP, with the targets hvdlite <= 0.95x DDP on the MLP and <= 1.00x on the CNN. Last, a short per-phase breakdown (forward,
 backward, synchronize, optimizer step) shows where each method's step time goes.
 
 The default run takes about 3 minutes with 2 ranks on 2 busy cores, most of it in the CNN,
@@ -43,7 +43,9 @@ import hvdlite as hvd  # noqa: E402
 DDP = "DDP (torch, Gloo)"
 HVD = "hvdlite DistributedOptimizer"
 LOCAL = "local step, no communication"
-TARGET = 0.95
+# hvdlite / DDP step time (the performance issues): ahead of DDP on the communication-heavy
+# MLP, level with it on the compute-bound CNN, whose step is nearly all compute.
+TARGETS = {"mlp": 0.95, "cnn": 1.00}
 LR = 0.01
 CHECK_STEPS = 3
 BREAKDOWN_STEPS = 3
@@ -201,7 +203,7 @@ def run_model(key, args, rank):
     methods = {name: t.steps(args.steps_per_round) for name, t in trainers.items()}
     times = _common.interleaved(methods, args.rounds, warmup=1)
     times = {name: [s / args.steps_per_round for s in v] for name, v in times.items()}
-    ratios = _common.report(title, times, DDP, {HVD: TARGET}, args.json)
+    ratios = _common.report(title, times, DDP, {HVD: TARGETS[key]}, args.json)
     phases = breakdown(work.name, trainers, BREAKDOWN_STEPS, rank) if args.breakdown else None
     return ratios, phases
 
