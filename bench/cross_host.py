@@ -18,7 +18,7 @@ import _common  # noqa: E402
 import collectives  # noqa: E402
 import hvdlite as hvd  # noqa: E402
 
-FLAT = "flat bound (copy, 1 allreduce, copy)"
+FLAT = "tight bound (cat, 1 allreduce, foreach copy)"
 
 
 def main():
@@ -47,7 +47,9 @@ def main():
         assert torch.allclose(t, torch.full_like(t, want * (i % 7 + 1) / 7), rtol=1e-3), i
     methods["hvdlite grouped, fp16 compression"] = hvd_grouped_fp16
     times = _common.interleaved(methods, args.rounds, warmup=1)
-    _common.report(f"ResNet-50 gradients across {size} hosts ({os.environ.get('BENCH_LINK', 'unshaped')})",
+    mode = "hierarchical" if os.environ.get("HVDLITE_HIERARCHICAL_ALLREDUCE") == "1" else "flat"
+    _common.report(f"ResNet-50 gradients, {size} ranks on {hvd.cross_size()} hosts, hvdlite {mode} "
+                   f"({os.environ.get('BENCH_LINK', 'unshaped')})",
                    times, FLAT, {"hvdlite grouped": 1.10}, args.json)
     hvd.shutdown()
 

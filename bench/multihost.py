@@ -28,6 +28,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--slots", type=int, default=1, help="ranks per host")
     parser.add_argument("--json-dir", default=None)
+    parser.add_argument("--hierarchical", action="store_true",
+                        help="run every job twice: flat, then with --hierarchical-allreduce "
+                             "(Note [Hierarchical allreduce]; use with --slots 2 or more)")
     args = parser.parse_args()
     reason = unavailable()
     if reason:
@@ -44,11 +47,15 @@ def main():
             [sys.executable, "bench/training.py", "--models", "mlp", "--rounds", str(max(3, args.rounds - 2)),
              "--steps-per-round", "2", "--no-local", "--no-breakdown"],
         ]
-        for job, name in zip(jobs, ("cross_host", "training")):
+        variants = [("", [])] + ([("_hierarchical", ["--hierarchical-allreduce"])] if args.hierarchical else [])
+        runs = [(job, name + suffix, flags) for suffix, flags in variants
+                for job, name in zip(jobs, ("cross_host", "training"))]
+        for job, name, flags in runs:
             if args.json_dir:
-                job += ["--json", os.path.join(os.path.abspath(args.json_dir), f"multihost_{name}.json")]
+                job = job + ["--json", os.path.join(os.path.abspath(args.json_dir), f"multihost_{name}.json")]
             started = time.monotonic()
-            result = hosts.run("hvta", launch + job, timeout=1200, cwd=REPO, env=env)
+            print(f"== {name}", flush=True)
+            result = hosts.run("hvta", launch[:3] + flags + launch[3:] + job, timeout=1200, cwd=REPO, env=env)
             for line in result.stdout.splitlines():
                 if line.startswith("[0]<stdout>: "):
                     print(line[len("[0]<stdout>: "):], flush=True)

@@ -40,15 +40,22 @@ std::unique_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
                                    std::vector<c10::intrusive_ptr<c10d::Backend>> cpu,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int rank,
                                    int size, const std::map<std::string, std::string>& settings,
-                                   std::shared_ptr<ShmChannel> shm) {
+                                   std::shared_ptr<ShmChannel> shm,
+                                   std::optional<c10::intrusive_ptr<c10d::Backend>> cross, bool hierarchical) {
   Config config = ConfigFromMap(settings);
   std::unique_ptr<CollectiveBackend> cuda_backend;
   if (cuda && *cuda) cuda_backend = MakeC10dBackend(*cuda);
   if (cpu.empty()) Check(Status(StatusCode::kInternal, "an engine needs at least one CPU process group"));
   std::vector<std::unique_ptr<CollectiveBackend>> cpu_backends;
   for (auto& backend : cpu) cpu_backends.push_back(MakeC10dBackend(std::move(backend)));
+  std::unique_ptr<CollectiveBackend> cross_backend;
+  if (cross && *cross) cross_backend = MakeC10dBackend(*cross);
+  if (hierarchical && cross_backend == nullptr && shm == nullptr) {
+    Check(Status(StatusCode::kInternal, "a hierarchical engine needs a shared-memory channel or a cross-host group"));
+  }
   return std::make_unique<Engine>(config, rank, size, MakeC10dBackend(std::move(control)),
-                                  std::move(cpu_backends), std::move(cuda_backend), std::move(shm));
+                                  std::move(cpu_backends), std::move(cuda_backend), std::move(shm),
+                                  std::move(cross_backend), hierarchical);
 }
 
 // One tensor's arguments, as both enqueue bindings receive them.
@@ -118,6 +125,7 @@ py::dict ParseConfig(const std::map<std::string, std::string>& env) {
   out["gather_max_ms"] = config.gather_max_ms;
   out["autotune"] = config.autotune;
   out["shared_memory"] = config.shared_memory;
+  out["hierarchical_allreduce"] = config.hierarchical_allreduce;
   out["autotune_sample_seconds"] = config.autotune_sample_seconds;
   out["autotune_log_path"] = config.autotune_log_path;
   return out;
@@ -162,7 +170,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu"),
            py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
-           py::arg("shm").none(true) = nullptr)
+           py::arg("shm").none(true) = nullptr, py::arg("cross").none(true) = py::none(),
+           py::arg("hierarchical") = false)
       .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
       .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
       .def("poll",
@@ -199,17 +208,20 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("shared_memory", &Engine::shared_memory)
+      .def_property_readonly("hierarchical", &Engine::hierarchical)
       .def_property_readonly("fusion_threshold_bytes",
                              [](const Engine& e) { return e.config().fusion_threshold_bytes; })
       .def_property_readonly("cycle_time_ms", [](const Engine& e) { return e.config().cycle_time_ms; });
 
   // Note [Shared-memory allreduce]: hvdlite/_groups.py creates, opens and unlinks the segment.
   py::class_<ShmChannel, std::shared_ptr<ShmChannel>>(m, "ShmChannel")
-      .def(py::init<const std::string&, int, int, std::vector<int64_t>, double>(), py::arg("name"),
-           py::arg("rank"), py::arg("size"), py::arg("pids"), py::arg("timeout_seconds"))
-      .def_static("create", &ShmChannel::Create, py::arg("name"), py::arg("size"))
+      .def(py::init<const std::string&, int, int, std::vector<int64_t>, std::vector<int64_t>, double, int64_t>(),
+           py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("ranks"), py::arg("pids"),
+           py::arg("timeout_seconds"), py::arg("chunk_bytes") = 0)
+      .def_readonly_static("HIERARCHICAL_CHUNK", &ShmChannel::kHierarchicalChunk)
+      .def_static("create", &ShmChannel::Create, py::arg("name"), py::arg("size"), py::arg("chunk_bytes") = 0)
       .def_static("unlink", &ShmChannel::Unlink, py::arg("name"))
-      .def_static("segment_bytes", &ShmChannel::SegmentBytes, py::arg("size"));
+      .def_static("segment_bytes", &ShmChannel::SegmentBytes, py::arg("size"), py::arg("chunk_bytes") = 0);
 
   DefineTestHooks(m);
   m.def("_parse_config", &ParseConfig);

@@ -66,7 +66,7 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
     const char* value = set(var);
     return value ? ParseInt(var, value, minimum, expected, field) : Status::Ok();
   };
-  int64_t autotune = 0, shared_memory = 1;
+  int64_t autotune = 0, shared_memory = 1, hierarchical = 0;
   const Status statuses[] = {
       integer("HVDLITE_FUSION_THRESHOLD", 0, "a number of bytes >= 0", &config.fusion_threshold_bytes),
       number("HVDLITE_CYCLE_TIME", 0.0, "milliseconds >= 0", &config.cycle_time_ms),
@@ -82,6 +82,7 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
       integer("HVDLITE_CPU_CHANNELS", 1, "a number of process groups from 1 to 16", &config.cpu_channels),
       integer("HVDLITE_AUTOTUNE", 0, "0 or 1", &autotune),
       integer("HVDLITE_SHARED_MEMORY", 0, "0 or 1", &shared_memory),
+      integer("HVDLITE_HIERARCHICAL_ALLREDUCE", 0, "0 or 1", &hierarchical),
       number("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", 0.001, "seconds >= 0.001",
              &config.autotune_sample_seconds),
       integer("HVDLITE_TEST_FORGET_CACHE_AT_ROUND", 0, "a round number >= 0",
@@ -100,6 +101,10 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
   config.autotune = autotune == 1;
   if (shared_memory > 1) return BadValue("HVDLITE_SHARED_MEMORY", set("HVDLITE_SHARED_MEMORY"), "0 or 1");
   config.shared_memory = shared_memory == 1;
+  if (hierarchical > 1) {
+    return BadValue("HVDLITE_HIERARCHICAL_ALLREDUCE", set("HVDLITE_HIERARCHICAL_ALLREDUCE"), "0 or 1");
+  }
+  config.hierarchical_allreduce = hierarchical == 1;
   if (const char* value = set("HVDLITE_AUTOTUNE_LOG")) config.autotune_log_path = value;
   if (const char* value = set("HVDLITE_JOIN_AVERAGE")) {
     const std::string text = value;
@@ -124,6 +129,7 @@ const std::vector<std::string>& JobWideVariables() {
       "HVDLITE_GATHER_MAX_MS",            "HVDLITE_CPU_CHANNELS",
       "HVDLITE_AUTOTUNE",                 "HVDLITE_AUTOTUNE_SAMPLE_SECONDS",
       "HVDLITE_JOIN_AVERAGE",             "HVDLITE_SHARED_MEMORY",
+      "HVDLITE_HIERARCHICAL_ALLREDUCE",
   };
   return kVariables;
 }
@@ -138,7 +144,7 @@ uint64_t JobWideDigest(const Config& c) {
   };
   const int64_t ints[] = {c.fusion_threshold_bytes, c.cache_capacity, c.inline_bytes,
                           c.gather_bytes, c.cpu_channels, c.autotune ? 1 : 0,
-                          c.average_over_contributors ? 1 : 0, c.shared_memory ? 1 : 0};
+                          c.average_over_contributors ? 1 : 0, c.shared_memory ? 1 : 0, c.hierarchical_allreduce ? 1 : 0};
   const double doubles[] = {c.cycle_time_ms, c.idle_heartbeat_ms, c.stall_check_seconds,
                             c.stall_shutdown_seconds, c.gather_max_ms, c.autotune_sample_seconds};
   mix(ints, sizeof(ints));

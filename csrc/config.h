@@ -59,6 +59,10 @@ struct Config {
   // CPU tensors through shared memory (Note [Shared-memory allreduce] in shm_channel.h); 0
   // keeps everything on Gloo. Rank 0's value applies to the job.
   bool shared_memory = true;
+  // HVDLITE_HIERARCHICAL_ALLREDUCE: 1 makes an engine whose ranks span several hosts reduce
+  // CPU tensors inside each host first (Note [Hierarchical allreduce] in executor.h); 0
+  // (default) runs one flat allreduce over every rank. Rank 0's value applies to the job.
+  bool hierarchical_allreduce = false;
   // HVDLITE_AUTOTUNE: 1 makes rank 0 search the fusion threshold and cycle time during the
   // first samples of the job (Note [Autotune] in autotune.h); the two above are its start.
   bool autotune = false;

@@ -32,7 +32,7 @@ std::vector<CollectiveBackend*> Pointers(const std::vector<std::unique_ptr<Colle
 
 Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
                std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
-               std::shared_ptr<ShmChannel> shm)
+               std::shared_ptr<ShmChannel> shm, std::unique_ptr<CollectiveBackend> cross, bool hierarchical)
     : config_(config),
       rank_(rank),
       size_(size),
@@ -41,6 +41,8 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       cpu_backends_(std::move(cpu)),
       cuda_backend_(std::move(cuda)),
       shm_(std::move(shm)),
+      cross_(std::move(cross)),
+      hierarchical_(hierarchical),
       timeline_(config.timeline_path, rank, size),
       channel_(control_backend_.get(), size),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
@@ -48,7 +50,11 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       executor_(rank, size, Pointers(cpu_backends_), cuda_backend_.get(), &queue_, &handles_, &timeline_),
       settings_digest_(JobWideDigest(config)),
       params_{config.fusion_threshold_bytes, config.cycle_time_ms} {
-  executor_.UseSharedMemory(shm_.get());
+  if (hierarchical_) {
+    executor_.UseHierarchical(shm_.get(), cross_.get());
+  } else {
+    executor_.UseSharedMemory(shm_.get());
+  }
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
   }

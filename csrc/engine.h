@@ -90,7 +90,8 @@ class Engine {
   // `cpu` holds one backend per CPU channel, at least one (Note [CPU channels] in executor.h).
   Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
          std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
-         std::shared_ptr<ShmChannel> shm = nullptr);
+         std::shared_ptr<ShmChannel> shm = nullptr, std::unique_ptr<CollectiveBackend> cross = nullptr,
+         bool hierarchical = false);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -114,7 +115,8 @@ class Engine {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const Config& config() const { return config_; }
-  bool shared_memory() const { return shm_ != nullptr; }
+  bool shared_memory() const { return shm_ != nullptr && !hierarchical_; }
+  bool hierarchical() const { return hierarchical_; }
 
  private:
   // A completed handle's result for its caller (the error it carries, or its output).
@@ -140,6 +142,8 @@ class Engine {
   std::vector<std::unique_ptr<CollectiveBackend>> cpu_backends_;
   std::unique_ptr<CollectiveBackend> cuda_backend_;
   std::shared_ptr<ShmChannel> shm_;  // null unless every rank is on this host (Note [Shared-memory allreduce])
+  std::unique_ptr<CollectiveBackend> cross_;  // Note [Hierarchical allreduce]: first rank of a host only
+  const bool hierarchical_;
   TensorQueue queue_;
   HandleTable handles_;
   Timeline timeline_;

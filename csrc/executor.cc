@@ -76,7 +76,7 @@ void Executor::Trace(const std::vector<Local>& locals, int64_t start_us, int64_t
 }
 
 bool Executor::UsesSharedMemory(CollectiveKind kind, c10::Device device) const {
-  return shm_ != nullptr && device.is_cpu() &&
+  return (shm_ != nullptr || hierarchical_) && device.is_cpu() &&
          (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter);
 }
 
@@ -191,7 +191,7 @@ void Executor::Execute(const Batch& batch) {
       throw StatusError(status);
     }
     Fail(locals, Status::Of(StatusCode::kRankFailure, KindName(kind), name,
-                            std::string("failed in ") + (UsesSharedMemory(kind, device) ? "shared memory" : backend->name()) + ": " + ExceptionText(e)));
+                            std::string("failed in ") + (UsesSharedMemory(kind, device) ? (hierarchical_ ? "the hierarchical allreduce" : "shared memory") : backend->name()) + ": " + ExceptionText(e)));
     throw;
   }
 

@@ -14,6 +14,14 @@
 // executor_reduce.cc runs reductions (fusion, striping over channels), executor_data.cc the
 // collectives that only move data, inline_payloads.cc the results computed from payloads.
 //
+// Note [Hierarchical allreduce]
+// HVDLITE_HIERARCHICAL_ALLREDUCE=1, in a job whose ranks span several hosts: each host's ranks
+// reduce through their shared-memory channel, the first rank of each host allreduces that sum
+// with the other hosts' first ranks over a Gloo group of its own ("cross"), and the host's
+// ranks copy the result out of the channel (ShmChannel::Allreduce with `across`), chunk by
+// chunk. Only one rank per host sends across the network, once per byte, where the flat ring
+// over every rank crosses hosts at several places. CPU allreduces and reducescatters only.
+//
 // Note [CPU channels]
 // A Gloo allreduce of one large buffer does not keep loopback TCP busy: on the 2-rank
 // reference machine a 64 MB allreduce took 49-51 ms through one process group, 42-48 ms split
@@ -61,6 +69,13 @@ class Executor {
   void ReleaseBuffers() { buffers_.Clear(); }
   // Note [Shared-memory allreduce]: from now on every CPU allreduce goes through `shm`.
   void UseSharedMemory(ShmChannel* shm) { shm_ = shm; }
+  // Note [Hierarchical allreduce]: CPU allreduces go through `local` (this host's ranks; null
+  // when this rank is alone on its host) and, on each host's first rank, `cross`.
+  void UseHierarchical(ShmChannel* local, CollectiveBackend* cross) {
+    hierarchical_ = true;
+    shm_ = local;
+    cross_ = cross;
+  }
 
  private:
   struct Local {
@@ -98,6 +113,8 @@ class Executor {
   std::vector<CollectiveBackend*> cpu_;  // cpu_[0] serves everything that is not striped
   CollectiveBackend* cuda_;
   ShmChannel* shm_ = nullptr;  // owned by the engine
+  bool hierarchical_ = false;
+  CollectiveBackend* cross_ = nullptr;  // owned by the engine; hierarchical, first rank of a host
   TensorQueue* queue_;
   HandleTable* handles_;
   FusionBufferPool buffers_;

@@ -75,6 +75,19 @@ void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* b
                              const std::function<void(at::Tensor&)>& finish) {
   // Note [CPU channels]
   constexpr int64_t kStripeBytes = 8LL << 20;
+  if (hierarchical_ && flat.device().is_cpu()) {  // Note [Hierarchical allreduce]
+    if (shm_ == nullptr) {  // alone on this host: the same cuts as the other hosts' channels
+      const int64_t per = ShmChannel::kHierarchicalChunk / static_cast<int64_t>(flat.element_size());
+      for (int64_t offset = 0; offset < flat.numel(); offset += per) {
+        at::Tensor part = flat.narrow(0, offset, std::min(per, flat.numel() - offset));
+        cross_->Allreduce(part, op);
+      }
+    } else {
+      shm_->Allreduce(flat, op, [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); }, true);
+    }
+    finish(flat);
+    return;
+  }
   if (shm_ != nullptr && flat.device().is_cpu()) {  // Note [Shared-memory allreduce]
     shm_->Allreduce(flat, op);
     finish(flat);

@@ -80,14 +80,15 @@ int64_t ShmChannel::ChunkBytes(int size) {
   return std::clamp<int64_t>(chunk, 256LL << 10, 4LL << 20);
 }
 
-size_t ShmChannel::SegmentBytes(int size) {
-  return HeaderBytes(size) + 2 * static_cast<size_t>(size + 1) * static_cast<size_t>(ChunkBytes(size));
+size_t ShmChannel::SegmentBytes(int size, int64_t chunk_bytes) {
+  const int64_t chunk = chunk_bytes > 0 ? chunk_bytes : ChunkBytes(size);
+  return HeaderBytes(size) + 2 * static_cast<size_t>(size + 1) * static_cast<size_t>(chunk);
 }
 
-std::string ShmChannel::Create(const std::string& name, int size) {
+std::string ShmChannel::Create(const std::string& name, int size, int64_t chunk_bytes) {
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return Errno("shm_open(" + name + ")");
-  const off_t bytes = static_cast<off_t>(SegmentBytes(size));
+  const off_t bytes = static_cast<off_t>(SegmentBytes(size, chunk_bytes));
   std::string error;
   if (ftruncate(fd, bytes) != 0) {
     error = Errno("ftruncate");
@@ -102,16 +103,19 @@ std::string ShmChannel::Create(const std::string& name, int size) {
 
 void ShmChannel::Unlink(const std::string& name) { shm_unlink(name.c_str()); }
 
-ShmChannel::ShmChannel(const std::string& name, int rank, int size, std::vector<int64_t> pids,
-                       double timeout_seconds)
+ShmChannel::ShmChannel(const std::string& name, int rank, int size, std::vector<int64_t> ranks,
+                       std::vector<int64_t> pids, double timeout_seconds, int64_t chunk_bytes)
     : name_(name),
       rank_(rank),
       size_(size),
+      ranks_(std::move(ranks)),
       pids_(std::move(pids)),
       timeout_seconds_(timeout_seconds),
-      bytes_(SegmentBytes(size)),
-      chunk_(ChunkBytes(size)) {
-  if (static_cast<int>(pids_.size()) != size) throw std::runtime_error("shared memory: one pid per rank expected");
+      bytes_(SegmentBytes(size, chunk_bytes)),
+      chunk_(chunk_bytes > 0 ? chunk_bytes : ChunkBytes(size)) {
+  if (static_cast<int>(pids_.size()) != size || static_cast<int>(ranks_.size()) != size) {
+    throw std::runtime_error("shared memory: one rank and one pid per member expected");
+  }
   const int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) throw std::runtime_error(Errno("shm_open(" + name + ")"));
   struct stat st;
@@ -169,7 +173,7 @@ void ShmChannel::Wait(uint64_t target) {
     unsigned spins = 0;
     while (arrived.load() < target) {
       if (const int32_t aborted = header_->abort.load(); aborted != 0) {
-        throw std::runtime_error("rank " + std::to_string(aborted - 1) +
+        throw std::runtime_error("rank " + std::to_string(ranks_[aborted - 1]) +
                                  " gave up during a shared-memory allreduce");
       }
       if ((++spins & 63) != 0 || Clock::now() - start < kSpin) {
@@ -184,18 +188,19 @@ void ShmChannel::Wait(uint64_t target) {
       if (now - last_check < std::chrono::milliseconds(kCheckMs) || arrived.load() >= target) continue;
       last_check = now;
       if (!Alive(pids_[r])) {
-        throw std::runtime_error("rank " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) +
+        throw std::runtime_error("rank " + std::to_string(ranks_[r]) + " (pid " + std::to_string(pids_[r]) +
                                  ") exited during a shared-memory allreduce");
       }
       if (now > deadline) {
-        throw std::runtime_error("rank " + std::to_string(r) + " did not reach a shared-memory allreduce within " +
+        throw std::runtime_error("rank " + std::to_string(ranks_[r]) + " did not reach a shared-memory allreduce within " +
                                  std::to_string(static_cast<int64_t>(timeout_seconds_)) + " s");
       }
     }
   }
 }
 
-void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op) {
+void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across,
+                           bool hierarchical) {
   const int64_t element = static_cast<int64_t>(flat.element_size());
   const int64_t per_chunk = chunk_ / element;
   const int64_t total = flat.numel();
@@ -218,6 +223,13 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op) {
         for (int r = 2; r < size_; ++r) Combine(result, result, view(Slot(bank, r)), op);
       }
       Barrier();
+      if (hierarchical) {  // the host's sum goes across hosts before anyone copies it out
+        if (rank_ == 0) {
+          at::Tensor reduced = at::from_blob(Result(bank), {n}, options);
+          across(reduced);
+        }
+        Barrier();
+      }
       std::memcpy(data + offset * element, Result(bank), n * element);
     }
   } catch (...) {

@@ -37,6 +37,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -49,19 +50,30 @@ class ShmChannel {
   // Creates (rank 0's job) a zero-filled segment for `size` ranks under `name` (a POSIX shared
   // memory name such as "/hvdlite.123.abc"); the pages are reserved now, so a full /dev/shm is
   // an error here instead of a SIGBUS later. Returns "" or what went wrong.
-  static std::string Create(const std::string& name, int size);
+  // `chunk_bytes` 0: ChunkBytes(size); the hierarchical allreduce passes kHierarchicalChunk.
+  static std::string Create(const std::string& name, int size, int64_t chunk_bytes = 0);
   static void Unlink(const std::string& name);
-  // Maps the segment; throws std::runtime_error when it cannot.
-  ShmChannel(const std::string& name, int rank, int size, std::vector<int64_t> pids, double timeout_seconds);
+  // Maps the segment; throws std::runtime_error when it cannot. `rank` and `size` index the
+  // ranks sharing the segment; `ranks[i]` is what messages call the i-th (its engine rank) and
+  // `pids[i]` its process.
+  ShmChannel(const std::string& name, int rank, int size, std::vector<int64_t> ranks, std::vector<int64_t> pids,
+             double timeout_seconds, int64_t chunk_bytes = 0);
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
   // In place; op is kSum, kMin, kMax or kProduct. Throws std::runtime_error naming the rank
-  // when a peer exited, aborted or timed out.
-  void Allreduce(at::Tensor& flat, ReduceOp op);
+  // when a peer exited, aborted or timed out. With `across` (Note [Hierarchical allreduce] in
+  // executor.h), each chunk's reduction over these ranks is handed to `across` on rank 0 of the
+  // channel (which allreduces it with the other hosts) before anyone copies it out; every rank
+  // of the channel must pass `across` or none.
+  void Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across = nullptr,
+                 bool hierarchical = false);
 
-  static size_t SegmentBytes(int size);
+  static size_t SegmentBytes(int size, int64_t chunk_bytes = 0);
+  // Note [Hierarchical allreduce]: every host cuts buffers at the same element counts, so the
+  // cross-host allreduces of the hosts' first ranks match; one chunk size for every host.
+  static constexpr int64_t kHierarchicalChunk = 2LL << 20;
 
  private:
   // The header page: the words below, then one arrival counter per rank at 64 + 64 * rank.
@@ -83,6 +95,7 @@ class ShmChannel {
   std::string name_;
   int rank_;
   int size_;
+  std::vector<int64_t> ranks_;
   std::vector<int64_t> pids_;
   double timeout_seconds_;
   void* base_ = nullptr;

@@ -4,7 +4,9 @@ Each engine (the global one, and one per process set) gets a Gloo group for nego
 HVDLITE_CPU_CHANNELS Gloo groups for CPU data (large allreduces are striped over them, Note
 [CPU channels] in csrc/executor.h), an NCCL group where CUDA is available, and, when all its
 ranks run on one host, a shared-memory channel for CPU allreduces (Note [Shared-memory
-allreduce] in csrc/shm_channel.h). The settings
+allreduce] in csrc/shm_channel.h), or, with HVDLITE_HIERARCHICAL_ALLREDUCE=1 across hosts, one
+channel per host and a Gloo group among each host's first rank (Note [Hierarchical allreduce] in
+csrc/executor.h). The settings
 mapping is the same on every rank for the job-wide variables (Note [Job-wide settings] in
 csrc/config.h), so every rank creates the same groups.
 """
@@ -72,38 +74,69 @@ def _nccl_group(store, rank, size):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def _shared_memory(store, base, rank, size, settings, members):
-    """Note [Shared-memory allreduce]: the channel, on every rank or on none.
-
-    Only for an engine whose ranks (`members`: their records, in engine rank order) all report
-    this host. Rank 0 creates the segment and publishes its name; every rank maps it and says
-    whether it could; each rank reads every answer, so all reach the same verdict; then rank 0
-    unlinks the name (the mappings stay), so nothing is left in /dev/shm whatever happens next.
-    """
-    if size < 2 or members is None or not _core._parse_config(settings)["shared_memory"]:
-        return None
-    if len({m["host"] for m in members}) != 1:
-        return None
-    key = f"{base}shm"
-    if rank == 0:
+def _segment(store, key, index, count, ranks, pids, chunk_bytes=0):
+    """One shared-memory segment among `count` processes on this host (this one is `index`;
+    `ranks` name them in messages): index 0 creates it and publishes its name under `key`,
+    each maps it and answers under `key/<index>`, and once all have answered index 0 unlinks
+    the name (the mappings stay), so nothing is left in /dev/shm whatever happens next.
+    Returns the channel if every one of them mapped it, else None (the same on each)."""
+    if index == 0:
         name = f"/hvdlite.{os.getpid()}.{secrets.token_hex(6)}"
-        store.set(key, "" if _core.ShmChannel.create(name, size) else name)
+        store.set(key, "" if _core.ShmChannel.create(name, count, chunk_bytes) else name)
     store.wait([key])
     name = store.get(key).decode()
     channel = None
     if name:
         try:
-            channel = _core.ShmChannel(name, rank, size, [m["pid"] for m in members],
-                                       _timeout().total_seconds())
+            channel = _core.ShmChannel(name, index, count, ranks, pids, _timeout().total_seconds(), chunk_bytes)
         except RuntimeError:
             channel = None
-    store.set(f"{key}/{rank}", "1" if channel is not None else "0")
-    answers = [f"{key}/{r}" for r in range(size)]
+    store.set(f"{key}/{index}", "1" if channel is not None else "0")
+    answers = [f"{key}/{i}" for i in range(count)]
     store.wait(answers)
     agreed = all(v == b"1" for v in store.multi_get(answers))
-    if rank == 0 and name:
+    if index == 0 and name:
         _core.ShmChannel.unlink(name)
     return channel if agreed else None
+
+
+def _agree(store, key, rank, size, mine):
+    """True when every rank of the engine says True (each publishes its own answer)."""
+    store.set(f"{key}/{rank}", "1" if mine else "0")
+    answers = [f"{key}/{r}" for r in range(size)]
+    store.wait(answers)
+    return all(v == b"1" for v in store.multi_get(answers))
+
+
+def _local_paths(store, base, rank, size, settings, members, loopback):
+    """What carries this engine's CPU allreduces besides Gloo: (shm, cross, hierarchical).
+
+    Note [Shared-memory allreduce]: every rank of the engine on this host -> one segment for all.
+    Note [Hierarchical allreduce]: with HVDLITE_HIERARCHICAL_ALLREDUCE=1 and several hosts, one
+    segment per host and a Gloo group among each host's first rank. Every rank reaches the same
+    verdict (a rank that cannot map its segment turns both off for the whole engine). `members`
+    are the records (host, pid) of the engine's ranks, in order.
+    """
+    options = _core._parse_config(settings)
+    if size < 2 or members is None or not options["shared_memory"]:
+        return None, None, False
+    hosts = list(dict.fromkeys(m["host"] for m in members))
+    if len(hosts) == 1:
+        return _segment(store, f"{base}shm", rank, size, list(range(size)), [m["pid"] for m in members]), None, False
+    if not options["hierarchical_allreduce"]:
+        return None, None, False
+    host = hosts.index(members[rank]["host"])
+    local = [r for r, m in enumerate(members) if m["host"] == hosts[host]]
+    channel = None
+    if len(local) > 1:
+        channel = _segment(store, f"{base}shm.h{host}", local.index(rank), len(local), local,
+                           [members[r]["pid"] for r in local], _core.ShmChannel.HIERARCHICAL_CHUNK)
+    if not _agree(store, f"{base}hierarchical", rank, size, len(local) == 1 or channel is not None):
+        return None, None, False
+    cross = None
+    if local[0] == rank:  # the host's first rank joins the group of first ranks
+        cross = _gloo_group(dist.PrefixStore(base + "cross", store), host, len(hosts), loopback)
+    return channel, cross, True
 
 
 def start_engine(context, tag, rank, size, members=None):
@@ -120,11 +153,11 @@ def start_engine(context, tag, rank, size, members=None):
         cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
                for i in range(channels)]
         cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
-        shm = _shared_memory(store, base, rank, size, settings, members)
+        shm, cross, hierarchical = _local_paths(store, base, rank, size, settings, members, loopback)
     except RuntimeError as exc:
         hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
                 "other (hvdliterun finds one by itself)" if not loopback else "")
         raise RankFailureError(f"hvdlite.init(): rank {rank} could not connect its process groups to "
                                f"the other ranks: {exc}{hint}", op="init") from None
-    engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm)
-    return engine, (control, cpu, cuda)
+    engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm, cross, hierarchical)
+    return engine, (control, cpu, cuda, cross)

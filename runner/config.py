@@ -27,6 +27,7 @@ class CoreKnobs:
     stall_shutdown_time_seconds: Optional[float] = None
     cache_capacity: Optional[int] = None
     log_level: Optional[str] = None
+    hierarchical_allreduce: bool = False
 
     def core_env(self) -> Dict[str, str]:
         env = {}
@@ -52,6 +53,8 @@ class CoreKnobs:
             env["HVDLITE_CACHE_CAPACITY"] = str(self.cache_capacity)
         if self.log_level is not None:
             env["HVDLITE_LOG_LEVEL"] = self.log_level
+        if self.hierarchical_allreduce:
+            env["HVDLITE_HIERARCHICAL_ALLREDUCE"] = "1"
         return env
 
 

@@ -2,7 +2,7 @@
 
 The keys are horovodrun's (sections params, autotune, timeline, stall_check, logging); flags
 given on the command line win over the file. Keys hvdlite has no use for (hierarchical
-operations, library options for MPI or NCCL streams) are accepted and ignored; an unknown
+allgather, library options for MPI or NCCL streams) are accepted and ignored; an unknown
 section or key is an error naming it. Needs PyYAML (`pip install pyyaml`), imported only here.
 """
 from typing import Any, Dict
@@ -10,7 +10,7 @@ from typing import Any, Dict
 # section -> key -> argparse destination (None: accepted, no effect in hvdlite)
 _KEYS = {
     "params": {"fusion_threshold_mb": "fusion_threshold_mb", "cycle_time_ms": "cycle_time_ms",
-               "cache_capacity": "cache_capacity", "hierarchical_allreduce": None,
+               "cache_capacity": "cache_capacity", "hierarchical_allreduce": "hierarchical_allreduce",
                "hierarchical_allgather": None},
     "autotune": {"enabled": "autotune", "log_file": "autotune_log_file", "warmup_samples": None,
                  "steps_per_sample": None, "bayes_opt_max_samples": None, "gaussian_process_noise": None},

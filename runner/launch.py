@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--cpu-channels", type=_channels, metavar="N",
                       help="Gloo process groups for CPU data; large allreduces are striped over "
                            "them (HVDLITE_CPU_CHANNELS, 1-16; core default 4)")
+    core.add_argument("--hierarchical-allreduce", action="store_true",
+                      help="reduce CPU tensors inside each host first, then across hosts among one "
+                           "rank per host (HVDLITE_HIERARCHICAL_ALLREDUCE=1)")
     core.add_argument("--timeline-filename", metavar="FILE",
                       help="write a Chrome trace timeline (HVDLITE_TIMELINE)")
     core.add_argument("--autotune", action="store_true",
@@ -343,6 +346,7 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         stall_shutdown_time_seconds=0 if args.stall_check is False else args.stall_shutdown_time_seconds,
         cache_capacity=0 if args.disable_cache else args.cache_capacity,
         log_level=args.log_level,
+        hierarchical_allreduce=args.hierarchical_allreduce,
     )
     extra_env = {}
     if args.gloo_timeout_seconds is not None:

@@ -272,3 +272,21 @@ def test_launcher_killed_stops_every_rank_on_every_host(hosts):
     took = time.monotonic() - killed
     print(f"launcher killed: every rank gone after {took:.2f} s")
     assert_nothing_left(hosts, within=0.1)
+
+
+def test_hierarchical_allreduce_across_hosts_with_uneven_ranks_per_host(hosts):
+    # Note [Hierarchical allreduce]: two ranks on hvta and hvtc share a segment each, hvtb's one
+    # rank is alone on its host; the first rank of each host allreduces across hosts.
+    job = [sys.executable, "tests/multihost/hierarchical_job.py"]
+    result = run_on(hosts, "hvta", launcher(hosts, "--hierarchical-allreduce", "-H", "hvta:2,hvtb:1,hvtc:2") + job,
+                    env={"PYTHONPATH": REPO})
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert sorted(lines(out, "HIERARCHICAL")) == [
+        f"[{r}]<stdout>: HIERARCHICAL rank {r} of 5 on {n} hierarchical=True shared_memory=False"
+        for r, n in enumerate(("hvta", "hvta", "hvtb", "hvtc", "hvtc"))]
+    # without the flag the same job runs flat (no segment: the ranks span hosts)
+    result = run_on(hosts, "hvta", launcher(hosts, "-H", "hvta:2,hvtb:1,hvtc:2") + job, env={"PYTHONPATH": REPO})
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and len(lines(out, "hierarchical=False shared_memory=False")) == 5, out[-4000:]
+    assert_nothing_left(hosts)

@@ -136,3 +136,13 @@ def test_cycle_time_zero_is_allowed_and_negative_is_not():
     assert config.knobs.core_env() == {"HVDLITE_CYCLE_TIME": "0"}
     with pytest.raises(UsageError, match="must be a number >= 0"):
         parse_config(["-np", "1", "--cycle-time-ms", "-1", "x"])
+
+
+def test_hierarchical_allreduce_from_the_flag_and_from_horovodruns_config_file(tmp_path):
+    config, _ = parse_config(["-np", "2", "--hierarchical-allreduce", "x"])
+    assert config.knobs.core_env() == {"HVDLITE_HIERARCHICAL_ALLREDUCE": "1"}
+    pytest.importorskip("yaml")
+    path = tmp_path / "hvd.yaml"
+    path.write_text("params:\n  hierarchical_allreduce: true\n")
+    config, _ = parse_config(["-np", "2", "--config-file", str(path), "x"])
+    assert config.knobs.core_env() == {"HVDLITE_HIERARCHICAL_ALLREDUCE": "1"}

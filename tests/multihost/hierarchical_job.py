@@ -1,0 +1,58 @@
+"""A job for the hierarchical allreduce test (Note [Hierarchical allreduce], csrc/executor.h):
+allreduces of every op over several dtypes and sizes, grouped, reducescatter and an optimizer
+step, each checked on every rank against a reference computed here from every rank's inputs.
+Prints one HIERARCHICAL line per rank."""
+import socket
+import sys
+
+import torch
+
+import hvdlite as hvd
+from hvdlite import _state
+from tests.multirank._reference import assert_close, rank_input, reduce_reference
+
+CHUNK = 4 << 20  # ShmChannel::ChunkBytes for 2 ranks on a host
+
+
+def main():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    engine = _state.current().sets[0].engine
+    seed = 0
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            seed += 1
+            inputs = [rank_input(seed, r, (999 + seed,), dtype, op) for r in range(size)]
+            got = hvd.allreduce(inputs[rank], op=op, name=f"t.{seed}")
+            assert_close(got, reduce_reference(inputs, op), dtype, f"{dtype} op {op} on rank {rank}")
+    inputs = [rank_input(50, r, (3 * CHUNK // 4 + 11,), torch.float32) for r in range(size)]  # three chunks
+    got = hvd.allreduce(inputs[rank], op=hvd.Average, name="big")
+    assert_close(got, reduce_reference(inputs, hvd.Average), torch.float32, f"big on rank {rank}")
+    shapes = [(30, 7), (5,), (200_001,)]
+    inputs = [[rank_input(60 + i, r, s, torch.float32) for i, s in enumerate(shapes)] for r in range(size)]
+    mine = [t.clone() for t in inputs[rank]]
+    hvd.grouped_allreduce_(mine, op=hvd.Sum, name="group")
+    for i, t in enumerate(mine):
+        assert_close(t, reduce_reference([inputs[r][i] for r in range(size)], hvd.Sum), torch.float32,
+                     f"grouped {i} on rank {rank}")
+    rows = [rank_input(70, r, (size * 3, 100), torch.float32) for r in range(size)]
+    got = hvd.reducescatter(rows[rank], op=hvd.Sum, name="rs")
+    assert_close(got, reduce_reference(rows, hvd.Sum).tensor_split(size)[rank], torch.float32,
+                 f"reducescatter on rank {rank}")
+    model = torch.nn.Linear(4, 1, bias=False)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    w0 = model.weight.detach().clone()
+    batches = [torch.full((2, 4), float(r + 1)) for r in range(size)]
+    model(batches[rank]).sum().backward()
+    opt.step()
+    grad = sum(b.sum(0) for b in batches) / size
+    assert torch.allclose(model.weight.detach(), w0 - 0.1 * grad.unsqueeze(0), atol=1e-5)
+    print(f"HIERARCHICAL rank {rank} of {size} on {socket.gethostname()} hierarchical={engine.hierarchical} "
+          f"shared_memory={engine.shared_memory}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
