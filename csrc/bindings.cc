@@ -183,12 +183,18 @@ PYBIND11_MODULE(_core, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait",
            [](Engine& engine, int64_t handle) {
+             // A completed handle is taken with the GIL held (releasing and retaking it costs
+             // more than the take); only a wait that blocks releases it.
              at::Tensor output;
              std::vector<int64_t> aux;
-             Check(engine.Wait(handle, &output, &aux));
+             Status status;
+             if (!engine.TryWait(handle, &output, &aux, &status)) {
+               py::gil_scoped_release release;
+               status = engine.Wait(handle, &output, &aux);
+             }
+             Check(status);
              return std::make_pair(output, aux);
-           },
-           py::call_guard<py::gil_scoped_release>())
+           })
       .def("wait_all",
            [](Engine& engine, const std::vector<int64_t>& handles) {
              // One call for a whole group: waits for every handle (even after a failure),

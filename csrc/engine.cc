@@ -125,15 +125,21 @@ void Engine::MaybeInline(Request* r, const at::Tensor& input) const {
 Status Engine::Poll(int64_t handle, bool* done) { return handles_.Poll(handle, done); }
 
 Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux) {
-  Completion completion;
   Status status;
-  if (!handles_.TryTake(handle, &completion, &status)) {  // it is still running: block
-    queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
-    status = handles_.Wait(handle, &completion);
-    queue_.RemoveWaiter();
-  }
+  if (TryWait(handle, output, aux, &status)) return status;
+  Completion completion;  // it is still running: block
+  queue_.AddWaiter();     // Note [A waiting caller ends the gathering]
+  status = handles_.Wait(handle, &completion);
+  queue_.RemoveWaiter();
   if (!status.ok()) return status;
   return TakeResult(&completion, output, aux);
+}
+
+bool Engine::TryWait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux, Status* status) {
+  Completion completion;
+  if (!handles_.TryTake(handle, &completion, status)) return false;
+  if (status->ok()) *status = TakeResult(&completion, output, aux);
+  return true;
 }
 
 void Engine::WaitAll(const std::vector<int64_t>& handles, std::vector<at::Tensor>* outputs,

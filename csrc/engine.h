@@ -101,6 +101,8 @@ class Engine {
   Status Poll(int64_t handle, bool* done);
   // `aux`: alltoall's received splits, join's last rank (else empty).
   Status Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux);
+  // Wait's result if the handle has completed (true); false, without blocking, if not.
+  bool TryWait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux, Status* status);
   // Waits for every handle of a group at once (Note [Completing in one step]); statuses[i] is
   // handles[i]'s outcome.
   void WaitAll(const std::vector<int64_t>& handles, std::vector<at::Tensor>* outputs,
