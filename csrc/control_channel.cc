@@ -16,6 +16,12 @@ ControlChannel::ControlChannel(CollectiveBackend* backend, int size)
 }
 
 std::vector<std::string> ControlChannel::Exchange(const std::string& mine) {
+  if (shm_ != nullptr) {
+    std::vector<std::string> messages;
+    std::vector<int64_t> lengths;
+    if (shm_->Exchange(mine, &messages, &lengths)) return messages;
+    return ExchangeLarge(mine, lengths);
+  }
   // Note [Control exchange by alltoall]: the same slot goes to every rank. Only the used part
   // of each copy is written; the rest of the slot is never read.
   auto* send = static_cast<char*>(send_.data_ptr());
@@ -43,7 +49,13 @@ std::vector<std::string> ControlChannel::Exchange(const std::string& mine) {
     }
     return messages;
   }
+  return ExchangeLarge(mine, lengths);
+}
+
+std::vector<std::string> ControlChannel::ExchangeLarge(const std::string& mine, const std::vector<int64_t>& lengths) {
   // Someone's message did not fit in a slot: exchange every message at the longest length.
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  std::vector<std::string> messages(size_);
   auto options = at::TensorOptions().dtype(at::kByte);
   at::Tensor big_send = at::empty({longest}, options);
   at::Tensor big_receive = at::empty({longest * size_}, options);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "shm_channel.h"
 
 namespace hvdlite {
 
@@ -30,12 +31,18 @@ class ControlChannel {
   ControlChannel(CollectiveBackend* backend, int size);
   // Every rank calls this once per round; returns every rank's bytes, indexed by rank.
   std::vector<std::string> Exchange(const std::string& mine);
+  // Note [Control exchange through shared memory] (shm_channel.h): slots travel through `shm`.
+  void UseSharedMemory(ShmChannel* shm) { shm_ = shm; }
 
  private:
+  // Every message at the longest length, by Gloo allgather (a message did not fit in a slot).
+  std::vector<std::string> ExchangeLarge(const std::string& mine, const std::vector<int64_t>& lengths);
+
   // Fits a training step's worth of cached requests (Note [Response cache]) for ~200 tensors.
   static constexpr int64_t kSlotBytes = 2048;
   static constexpr int64_t kHeaderBytes = 8;
   CollectiveBackend* backend_;
+  ShmChannel* shm_ = nullptr;  // owned by the engine
   int size_;
   std::vector<int64_t> slot_splits_;  // kSlotBytes for every rank
   at::Tensor send_;                   // this rank's slot, once per destination rank

@@ -54,6 +54,7 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
     executor_.UseHierarchical(shm_.get(), cross_.get());
   } else {
     executor_.UseSharedMemory(shm_.get());
+    channel_.UseSharedMemory(shm_.get());  // Note [Control exchange through shared memory]
   }
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);

@@ -82,7 +82,7 @@ int64_t ShmChannel::ChunkBytes(int size) {
 
 size_t ShmChannel::SegmentBytes(int size, int64_t chunk_bytes) {
   const int64_t chunk = chunk_bytes > 0 ? chunk_bytes : ChunkBytes(size);
-  return HeaderBytes(size) + 2 * static_cast<size_t>(size + 1) * static_cast<size_t>(chunk);
+  return HeaderBytes(size) + ControlBytes(size) + 2 * static_cast<size_t>(size + 1) * static_cast<size_t>(chunk);
 }
 
 std::string ShmChannel::Create(const std::string& name, int size, int64_t chunk_bytes) {
@@ -136,7 +136,9 @@ ShmChannel::ShmChannel(const std::string& name, int rank, int size, std::vector<
 }
 
 ShmChannel::~ShmChannel() {
-  if (base_ != nullptr) munmap(base_, bytes_);
+  if (base_ == nullptr) return;
+  Abort();  // anyone still waiting on this rank fails now (Note [Control exchange through shared memory])
+  munmap(base_, bytes_);
 }
 
 std::atomic<uint64_t>& ShmChannel::Arrived(int rank) const {
@@ -144,7 +146,39 @@ std::atomic<uint64_t>& ShmChannel::Arrived(int rank) const {
 }
 
 char* ShmChannel::Slot(int bank, int rank) const {
-  return static_cast<char*>(base_) + HeaderBytes(size_) + (static_cast<size_t>(bank) * (size_ + 1) + rank) * chunk_;
+  return static_cast<char*>(base_) + HeaderBytes(size_) + ControlBytes(size_) +
+         (static_cast<size_t>(bank) * (size_ + 1) + rank) * chunk_;
+}
+
+char* ShmChannel::ControlSlot(int bank, int rank) const {
+  return static_cast<char*>(base_) + HeaderBytes(size_) + (static_cast<size_t>(bank) * size_ + rank) * kControlSlot;
+}
+
+bool ShmChannel::Exchange(const std::string& mine, std::vector<std::string>* out, std::vector<int64_t>* lengths) {
+  constexpr int64_t kHeader = 8;
+  const int bank = control_bank_;
+  control_bank_ ^= 1;
+  const int64_t length = static_cast<int64_t>(mine.size());
+  char* slot = ControlSlot(bank, rank_);
+  std::memcpy(slot, &length, kHeader);
+  if (length <= kControlSlot - kHeader) std::memcpy(slot + kHeader, mine.data(), mine.size());
+  try {
+    Barrier();
+  } catch (...) {
+    Abort();
+    throw;
+  }
+  lengths->assign(size_, 0);
+  int64_t longest = 0;
+  for (int r = 0; r < size_; ++r) {
+    std::memcpy(&(*lengths)[r], ControlSlot(bank, r), kHeader);
+    (*lengths)[r] = std::max<int64_t>((*lengths)[r], 0);
+    longest = std::max(longest, (*lengths)[r]);
+  }
+  if (longest > kControlSlot - kHeader) return false;
+  out->assign(size_, std::string());
+  for (int r = 0; r < size_; ++r) (*out)[r].assign(ControlSlot(bank, r) + kHeader, (*lengths)[r]);
+  return true;
 }
 
 char* ShmChannel::Result(int bank) const { return Slot(bank, size_); }
@@ -174,7 +208,7 @@ void ShmChannel::Wait(uint64_t target) {
     while (arrived.load() < target) {
       if (const int32_t aborted = header_->abort.load(); aborted != 0) {
         throw std::runtime_error("rank " + std::to_string(ranks_[aborted - 1]) +
-                                 " gave up during a shared-memory allreduce");
+                                 " stopped taking part in the shared-memory channel");
       }
       if ((++spins & 63) != 0 || Clock::now() - start < kSpin) {
         Relax();
@@ -189,10 +223,10 @@ void ShmChannel::Wait(uint64_t target) {
       last_check = now;
       if (!Alive(pids_[r])) {
         throw std::runtime_error("rank " + std::to_string(ranks_[r]) + " (pid " + std::to_string(pids_[r]) +
-                                 ") exited during a shared-memory allreduce");
+                                 ") exited (seen in the shared-memory channel)");
       }
       if (now > deadline) {
-        throw std::runtime_error("rank " + std::to_string(ranks_[r]) + " did not reach a shared-memory allreduce within " +
+        throw std::runtime_error("rank " + std::to_string(ranks_[r]) + " did not reach the shared-memory channel within " +
                                  std::to_string(static_cast<int64_t>(timeout_seconds_)) + " s");
       }
     }

@@ -1,7 +1,8 @@
-"""CPU allreduces through shared memory when every rank runs on this host (Note [Shared-memory
-allreduce], csrc/shm_channel.h): every dtype and op against an independent reference, buffers
-that span several chunks, a process set, the switch that turns it off, and a rank killed while
-the others wait inside the channel."""
+"""CPU allreduces and negotiation through shared memory when every rank runs on this host (Note
+[Shared-memory allreduce] and Note [Control exchange through shared memory], csrc/shm_channel.h):
+every dtype and op against an independent reference, buffers that span several chunks, a round
+too large for a control slot, a process set, the switch that turns it off, and a rank killed
+while the others wait inside the channel."""
 
 import glob
 import time
@@ -61,6 +62,13 @@ def _allreduces(expect_shared):
     for i, t in enumerate(mine):
         assert_close(t, reduce_reference([inputs[r][i] for r in range(size)], hvd.Average), torch.float32,
                      f"async tensor {i} on rank {rank}")
+    # a first round too large for a control slot (1500 new requests with long names, well over
+    # 64 KB) is exchanged by Gloo instead (Note [Control exchange through shared memory])
+    many = [torch.full((3,), float(rank + 1) * (i % 5 + 1)) for i in range(1500)]
+    hvd.grouped_allreduce_(many, op=hvd.Sum, name="a-group-whose-members-have-rather-long-names-" + "x" * 40)
+    total = sum(range(1, size + 1))
+    for i, t in enumerate(many):
+        assert torch.equal(t, torch.full((3,), float(total * (i % 5 + 1)))), f"member {i} on rank {rank}"
     # reducescatter reduces through the same path
     rows = [rank_input(300, r, (size * 5 + 1, 1000), torch.float32) for r in range(size)]
     got = hvd.reducescatter(rows[rank], op=hvd.Sum, name="rs")
