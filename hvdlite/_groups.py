@@ -18,6 +18,7 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from . import _liveness
 from ._native import _core
 from .exceptions import RankFailureError
 
@@ -86,7 +87,10 @@ def _segment(store, key, index, count, ranks, pids, chunk_bytes=0):
     store.wait([key])
     name = store.get(key).decode()
     channel = None
-    if name:
+    # The channel watches its peers by pid (Note [Shared-memory allreduce]): processes that share
+    # /dev/shm and a host name but not a pid namespace (two containers of one pod, say) must
+    # not use it, or a peer would look dead.
+    if name and all(_liveness.running(pid) for pid in pids):
         try:
             channel = _core.ShmChannel(name, index, count, ranks, pids, _timeout().total_seconds(), chunk_bytes)
         except RuntimeError:

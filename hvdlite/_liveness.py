@@ -51,7 +51,7 @@ def read(store, prefix, size):
     return [json.loads(store.get(prefix + _KEY.format(r))) for r in range(size)]
 
 
-def _running(pid):
+def running(pid):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -71,7 +71,7 @@ def lost_ranks(peers, my_rank, wait_seconds=1.0):
     local = [(r, p["pid"]) for r, p in enumerate(peers) if r != my_rank and p["host"] == host]
     deadline = time.monotonic() + wait_seconds
     while True:
-        dead = [r for r, pid in local if not _running(pid)]
+        dead = [r for r, pid in local if not running(pid)]
         if dead or time.monotonic() >= deadline or not local:
             return dead
         time.sleep(0.05)

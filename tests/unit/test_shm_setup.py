@@ -1,0 +1,27 @@
+"""Setting up the shared-memory channel (hvdlite/_groups.py, Note [Shared-memory allreduce]) in
+one process: a segment is mapped and its name unlinked at once, and a member whose pid this
+process cannot see (another pid namespace) turns the channel off instead of looking dead."""
+import glob
+import os
+
+import torch.distributed as dist
+
+from hvdlite import _groups
+
+
+def _segments():
+    return glob.glob("/dev/shm/hvdlite.*")
+
+
+def test_a_segment_is_mapped_and_its_name_unlinked():
+    before = _segments()
+    channel = _groups._segment(dist.HashStore(), "t/shm", 0, 1, [0], [os.getpid()])
+    assert channel is not None
+    assert _segments() == before
+
+
+def test_a_member_whose_pid_is_not_visible_here_turns_the_channel_off():
+    invisible = 2 ** 22 + 12345  # above PID_MAX_LIMIT: no process anywhere has this pid
+    before = _segments()
+    assert _groups._segment(dist.HashStore(), "t/shm", 0, 1, [0], [invisible]) is None
+    assert _segments() == before
