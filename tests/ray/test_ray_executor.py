@@ -10,8 +10,8 @@ import hvdlite as hvd
 
 
 def _alive(pid):
-    from hvdlite._liveness import _running
-    return _running(pid)
+    from hvdlite._liveness import running
+    return running(pid)
 
 
 def place_and_sum():
