@@ -126,11 +126,9 @@ void Engine::MaybeInline(Request* r, const at::Tensor& input) const {
 Status Engine::Poll(int64_t handle, bool* done) { return handles_.Poll(handle, done); }
 
 Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux) {
-  Status status;
-  if (TryWait(handle, output, aux, &status)) return status;
-  Completion completion;  // it is still running: block
-  queue_.AddWaiter();     // Note [A waiting caller ends the gathering]
-  status = handles_.Wait(handle, &completion);
+  Completion completion;
+  queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
+  const Status status = handles_.Wait(handle, &completion);
   queue_.RemoveWaiter();
   if (!status.ok()) return status;
   return TakeResult(&completion, output, aux);

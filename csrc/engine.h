@@ -100,6 +100,7 @@ class Engine {
   Status Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* handles);
   Status Poll(int64_t handle, bool* done);
   // `aux`: alltoall's received splits, join's last rank (else empty).
+  // Blocks until the handle completes (callers try TryWait first, which does not block).
   Status Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux);
   // Wait's result if the handle has completed (true); false, without blocking, if not.
   bool TryWait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux, Status* status);

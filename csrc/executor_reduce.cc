@@ -83,7 +83,7 @@ void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* b
         cross_->Allreduce(part, op);
       }
     } else {
-      shm_->Allreduce(flat, op, [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); }, true);
+      shm_->Allreduce(flat, op, [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); });
     }
     finish(flat);
     return;

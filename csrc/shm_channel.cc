@@ -233,8 +233,7 @@ void ShmChannel::Wait(uint64_t target) {
   }
 }
 
-void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across,
-                           bool hierarchical) {
+void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across) {
   const int64_t element = static_cast<int64_t>(flat.element_size());
   const int64_t per_chunk = chunk_ / element;
   const int64_t total = flat.numel();
@@ -257,7 +256,7 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<vo
         for (int r = 2; r < size_; ++r) Combine(result, result, view(Slot(bank, r)), op);
       }
       Barrier();
-      if (hierarchical) {  // the host's sum goes across hosts before anyone copies it out
+      if (across) {  // the host's sum goes across hosts before anyone copies it out
         if (rank_ == 0) {
           at::Tensor reduced = at::from_blob(Result(bank), {n}, options);
           across(reduced);

@@ -82,8 +82,7 @@ class ShmChannel {
   // executor.h), each chunk's reduction over these ranks is handed to `across` on rank 0 of the
   // channel (which allreduces it with the other hosts) before anyone copies it out; every rank
   // of the channel must pass `across` or none.
-  void Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across = nullptr,
-                 bool hierarchical = false);
+  void Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across = nullptr);
 
   static size_t SegmentBytes(int size, int64_t chunk_bytes = 0);
   // Note [Hierarchical allreduce]: every host cuts buffers at the same element counts, so the

@@ -112,16 +112,15 @@ def _agree(store, key, rank, size, mine):
     return all(v == b"1" for v in store.multi_get(answers))
 
 
-def _local_paths(store, base, rank, size, settings, members, loopback):
+def _local_paths(store, base, rank, size, options, members, loopback):
     """What carries this engine's CPU allreduces besides Gloo: (shm, cross, hierarchical).
 
     Note [Shared-memory allreduce]: every rank of the engine on this host -> one segment for all.
     Note [Hierarchical allreduce]: with HVDLITE_HIERARCHICAL_ALLREDUCE=1 and several hosts, one
     segment per host and a Gloo group among each host's first rank. Every rank reaches the same
-    verdict (a rank that cannot map its segment turns both off for the whole engine). `members`
-    are the records (host, pid) of the engine's ranks, in order.
+    verdict (a rank that cannot map its segment turns both off for the whole engine). `options`
+    are the engine's parsed settings, `members` the records (host, pid) of its ranks, in order.
     """
-    options = _core._parse_config(settings)
     if size < 2 or members is None or not options["shared_memory"]:
         return None, None, False
     hosts = list(dict.fromkeys(m["host"] for m in members))
@@ -151,13 +150,13 @@ def start_engine(context, tag, rank, size, members=None):
     """
     store, prefix, loopback, settings = context
     base = f"{prefix}{tag}/"
-    channels = _core._parse_config(settings)["cpu_channels"]
+    options = _core._parse_config(settings)
     try:
         control = _gloo_group(dist.PrefixStore(base + "control", store), rank, size, loopback)
         cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
-               for i in range(channels)]
+               for i in range(options["cpu_channels"])]
         cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
-        shm, cross, hierarchical = _local_paths(store, base, rank, size, settings, members, loopback)
+        shm, cross, hierarchical = _local_paths(store, base, rank, size, options, members, loopback)
     except RuntimeError as exc:
         hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
                 "other (hvdliterun finds one by itself)" if not loopback else "")

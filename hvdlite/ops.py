@@ -15,10 +15,10 @@ several threads issue unnamed operations concurrently, give them names.
 import torch
 
 from . import _state
-from ._checks import (  # noqa: F401 (the checks and constants other modules use as ops.*)
-    _ANY_DTYPE, _OP_NAMES, _REDUCIBLE, _SUPPORTED_DTYPES, _WIDENED, Adasum, Average, Max, Min,
-    Product, Sum, _check_name, _check_root, _check_scale, _check_splits, _check_tensor,
-    _check_tensors, _resolve_op)
+from ._checks import (  # noqa: F401 (also used by other modules as ops.*)
+    _ANY_DTYPE, _REDUCIBLE, _SUPPORTED_DTYPE_SET, _WIDENED, Adasum, Average, Max, Min, Product, Sum,
+    _check_name, _check_root, _check_scale, _check_splits, _check_tensor, _check_tensors,
+    _resolve_op)
 from ._native import _core
 from .adasum import adasum
 from .process_sets import ProcessSet, global_process_set
@@ -213,7 +213,6 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 
 # What a training loop submits per gradient, recognized in one test (see allreduce_async_).
 _PLAIN_OPS = frozenset((Sum, Average, Min, Max, Product))
-_SUPPORTED_DTYPE_SET = frozenset(_SUPPORTED_DTYPES)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,

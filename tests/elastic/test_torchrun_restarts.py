@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+from tests.multirank._reference import linear_training
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(REPO, "tests", "elastic", "torchrun_job.py")
 
@@ -17,23 +19,6 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _reference(steps=12):
-    """The same training on one process: the gradient averaged over both ranks' batches."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
-        optimizer.zero_grad()
-        losses = []
-        for rank in range(2):
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randn(8, 4, generator=g)
-            losses.append(torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)))
-        (sum(losses) / 2).backward()
-        optimizer.step()
-    return model.weight.detach().flatten().tolist(), model.bias.item()
 
 
 def test_script_resumes_from_its_checkpoint_after_torchrun_restarts_all_ranks(tmp_path):
@@ -47,6 +32,6 @@ def test_script_resumes_from_its_checkpoint_after_torchrun_restarts_all_ranks(tm
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["attempt"] == 1 and result["start"] == 5 and result["size"] == 2, result
-    weight, bias = _reference()
+    weight, bias = linear_training(12, 2, seed_stride=1000)
     assert torch.allclose(torch.tensor(result["weight"]), torch.tensor(weight), atol=1e-5), (result, weight)
     assert abs(result["bias"] - bias) < 1e-5

@@ -5,26 +5,15 @@ The launcher is always run as `python -m hvdlite.runner.launch`, from a temporar
 (so a source checkout in the working directory cannot shadow the installed package).
 """
 import os
-import signal
 import subprocess
 
 import pytest
 
 from launcher_helpers import LAUNCH
+from tests.harness import hard_timeout_fixture
 
 TEST_HARD_TIMEOUT = 90
-
-
-@pytest.fixture(autouse=True)
-def _hard_timeout():
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"test exceeded {TEST_HARD_TIMEOUT} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(TEST_HARD_TIMEOUT)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+_hard_timeout = hard_timeout_fixture(TEST_HARD_TIMEOUT)
 
 
 @pytest.fixture

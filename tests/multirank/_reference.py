@@ -59,3 +59,22 @@ def assert_close(actual, expected, dtype, what):
     ok = torch.allclose(actual.to(torch.float64), expected.to(torch.float64), atol=atol,
                         rtol=atol) if atol else torch.equal(actual.to(torch.float64), expected.to(torch.float64))
     assert ok, f"{what}: got {actual.flatten()[:8].tolist()}, expected {expected.flatten()[:8].tolist()}"
+
+
+def linear_training(steps, size, seed_stride=100):
+    """What data-parallel training of a Linear(4, 1) must reach, computed on one process: seed 0
+    for the weights, SGD with lr 0.1, and each step's loss averaged over `size` ranks' batches
+    (rank r's batch at step s: 8x4 normal values from seed seed_stride * s + r, its row sums as
+    the target). Returns (weight as a list, bias)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = []
+        for rank in range(size):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed_stride * step + rank))
+            losses.append(torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)))
+        (sum(losses) / size).backward()
+        optimizer.step()
+    return model.weight.detach().flatten().tolist(), model.bias.item()

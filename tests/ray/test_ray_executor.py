@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hvdlite as hvd
+from tests.multirank._reference import linear_training
 
 
 def _alive(pid):
@@ -39,21 +40,6 @@ def training_steps(steps):
     return model.weight.detach().flatten().tolist()
 
 
-def reference_training(steps, size):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
-        optimizer.zero_grad()
-        losses = []
-        for rank in range(size):
-            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + rank))
-            losses.append(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
-        (sum(losses) / size).backward()
-        optimizer.step()
-    return model.weight.detach().flatten().tolist()
-
-
 def one_dies():
     hvd.init()
     hvd.allreduce(torch.ones(1), name="before")
@@ -75,7 +61,7 @@ def test_executor_ranks_collectives_and_training(ray_cluster):
         assert [r[:7] for r in results] == [(0, 2, 0, 2, 0, 1, 3.0), (1, 2, 1, 2, 0, 1, 3.0)], results
         assert [r[7] for r in results] == [n["pid"] for n in executor.nodes]
         weights = executor.run(training_steps, args=(5,))
-        expected = reference_training(5, 2)
+        expected, _ = linear_training(5, 2)
         for w in weights:
             assert torch.allclose(torch.tensor(w), torch.tensor(expected), atol=1e-6), (w, expected)
         assert executor.execute(lambda executable: executable) == [None, None]
