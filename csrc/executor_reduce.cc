@@ -34,6 +34,30 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
 
   auto finish = [&](at::Tensor& part) { Postprocess(part, average, item.average_divisor, request.postscale); };
   Entry& first = locals.front().entry;
+  if (!scatter && total > 0 && shm_ != nullptr && !hierarchical_ && first.input.device().is_cpu()) {
+    // Note [Fusing straight into shared memory] (shm_channel.h)
+    std::vector<ShmChannel::Piece> pieces;
+    pieces.reserve(locals.size());
+    for (Local& local : locals) {
+      if (!Memcpyable(local.entry.input) || !Memcpyable(local.entry.output)) {
+        pieces.clear();
+        break;
+      }
+      if (local.entry.input.numel() == 0) continue;
+      pieces.push_back({static_cast<const char*>(local.entry.input.data_ptr()),
+                        static_cast<char*>(local.entry.output.data_ptr()),
+                        static_cast<int64_t>(local.entry.input.nbytes())});
+    }
+    if (!pieces.empty()) {
+      const double prescale = request.prescale;
+      CollectiveStarts();
+      shm_->AllreducePieces(pieces, first.input.scalar_type(), wire_op,
+                            prescale == 1.0 ? ShmChannel::Hook() : [prescale](at::Tensor& t) { Scale(t, prescale); },
+                            finish);
+      CollectiveEnds();
+      return;
+    }
+  }
   if (!scatter && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
     // One tensor: reduce straight in the output, no fusion buffer.
     if (!first.output.is_same(first.input)) first.output.copy_(first.input);

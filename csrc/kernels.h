@@ -16,6 +16,8 @@ void Scale(at::Tensor& t, double factor);
 void Postprocess(at::Tensor& t, bool average, int divisor, double postscale);
 // Views a flat slice with the entry's shape (0-d tensors have one element).
 at::Tensor Shaped(const at::Tensor& flat, int64_t offset, const at::Tensor& like);
+// Note [Copies into fusion buffers]: a dense CPU tensor, which is copied with memcpy.
+bool Memcpyable(const at::Tensor& t);
 // Note [Copies into fusion buffers]: `offset` counts elements of the flat buffer.
 void CopyIn(at::Tensor& buffer, int64_t offset, const at::Tensor& src);
 void CopyOut(const at::Tensor& buffer, int64_t offset, at::Tensor& dst);

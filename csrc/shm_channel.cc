@@ -235,17 +235,73 @@ void ShmChannel::Wait(uint64_t target) {
 
 void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across) {
   const int64_t element = static_cast<int64_t>(flat.element_size());
-  const int64_t per_chunk = chunk_ / element;
-  const int64_t total = flat.numel();
   auto* data = static_cast<char*>(flat.data_ptr());
-  const auto options = at::TensorOptions().dtype(flat.scalar_type());
+  Run(
+      flat.numel(), flat.scalar_type(), op,
+      [&](char* slot, int64_t offset, int64_t n) { std::memcpy(slot, data + offset * element, n * element); },
+      [&](char* result, int64_t offset, int64_t n) { std::memcpy(data + offset * element, result, n * element); },
+      nullptr, nullptr, across);
+}
+
+void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
+                                 const Hook& prescale, const Hook& finish) {
+  const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+  int64_t total_bytes = 0;
+  for (const Piece& piece : pieces) total_bytes += piece.bytes;
+  // Chunks are consumed in order, so one cursor per direction walks the pieces once.
+  struct Cursor {
+    size_t piece = 0;
+    int64_t within = 0;  // bytes of `piece` already done
+  } in_cursor, out_cursor;
+  auto walk = [&](Cursor& cursor, int64_t bytes, const std::function<void(const Piece&, int64_t, int64_t)>& step) {
+    int64_t done = 0;
+    while (done < bytes) {
+      const Piece& piece = pieces[cursor.piece];
+      const int64_t n = std::min(piece.bytes - cursor.within, bytes - done);
+      step(piece, cursor.within, n);
+      done += n;
+      cursor.within += n;
+      if (cursor.within == piece.bytes) {
+        ++cursor.piece;
+        cursor.within = 0;
+      }
+    }
+  };
+  Run(
+      total_bytes / element, dtype, op,
+      [&](char* slot, int64_t, int64_t n) {
+        char* to = slot;
+        walk(in_cursor, n * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
+          std::memcpy(to, piece.in + at, bytes);
+          to += bytes;
+        });
+      },
+      [&](char* result, int64_t, int64_t n) {
+        const char* from = result;
+        walk(out_cursor, n * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
+          std::memcpy(piece.out + at, from, bytes);
+          from += bytes;
+        });
+      },
+      prescale, finish, nullptr);
+}
+
+void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Copy& fill, const Copy& drain,
+                     const Hook& prepare, const Hook& finish, const Hook& across) {
+  const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t per_chunk = chunk_ / element;
+  const auto options = at::TensorOptions().dtype(dtype);
   try {
     if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
     for (int64_t offset = 0; offset < total; offset += per_chunk) {
       const int64_t n = std::min(per_chunk, total - offset);
       const int bank = bank_;
       bank_ ^= 1;
-      std::memcpy(Slot(bank, rank_), data + offset * element, n * element);
+      fill(Slot(bank, rank_), offset, n);
+      if (prepare) {
+        at::Tensor mine = at::from_blob(Slot(bank, rank_), {n}, options);
+        prepare(mine);
+      }
       Barrier();
       const int64_t share = (n + size_ - 1) / size_;
       const int64_t begin = std::min(n, rank_ * share), end = std::min(n, begin + share);
@@ -254,6 +310,7 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<vo
         at::Tensor result = view(Result(bank));
         Combine(result, view(Slot(bank, 0)), view(Slot(bank, 1)), op);
         for (int r = 2; r < size_; ++r) Combine(result, result, view(Slot(bank, r)), op);
+        if (finish) finish(result);
       }
       Barrier();
       if (across) {  // the host's sum goes across hosts before anyone copies it out
@@ -263,7 +320,7 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<vo
         }
         Barrier();
       }
-      std::memcpy(data + offset * element, Result(bank), n * element);
+      drain(Result(bank), offset, n);
     }
   } catch (...) {
     Abort();

@@ -84,6 +84,22 @@ class ShmChannel {
   // of the channel must pass `across` or none.
   void Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across = nullptr);
 
+  // Note [Fusing straight into shared memory]
+  // A fused batch of dense CPU tensors skips the fusion buffer: each member's bytes are copied
+  // straight into this rank's slot, and the result area straight out into each member's
+  // output, half the copies of buffer-then-slot. Scaling rides along: `prescale` runs on this
+  // rank's slot after its copy in, `finish` (the average and postscale) on this rank's share of
+  // the result before the second barrier, so each element is scaled once, by one rank, and
+  // every rank copies out the same bytes. A piece's `in` and `out` may be the same memory.
+  using Hook = std::function<void(at::Tensor&)>;
+  struct Piece {
+    const char* in;
+    char* out;
+    int64_t bytes;
+  };
+  void AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
+                       const Hook& prescale, const Hook& finish);
+
   static size_t SegmentBytes(int size, int64_t chunk_bytes = 0);
   // Note [Hierarchical allreduce]: every host cuts buffers at the same element counts, so the
   // cross-host allreduces of the hosts' first ranks match; one chunk size for every host.
@@ -105,6 +121,13 @@ class ShmChannel {
 
   void Barrier();
   void Wait(uint64_t target);
+  // The chunk loop of both allreduces: `fill(slot, offset, n)` copies this rank's elements
+  // [offset, offset + n) into `slot`, `drain(result, offset, n)` copies them out of `result`.
+  // `prepare` runs on this rank's filled slot and `finish` on its reduced share (both may be
+  // empty); `across` as for Allreduce.
+  using Copy = std::function<void(char*, int64_t, int64_t)>;
+  void Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Copy& fill, const Copy& drain,
+           const Hook& prepare, const Hook& finish, const Hook& across);
   void Abort();
   char* Slot(int bank, int rank) const;
   char* Result(int bank) const;

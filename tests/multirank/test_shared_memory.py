@@ -56,6 +56,28 @@ def _allreduces(expect_shared):
     for i, t in enumerate(mine):
         assert_close(t, reduce_reference([inputs[r][i] for r in range(size)], hvd.Sum), torch.float32,
                      f"grouped tensor {i} on rank {rank}")
+    # fused straight into the segment (Note [Fusing straight into shared memory]): members that
+    # straddle chunk boundaries, scaling applied once per element, out of place (the inputs
+    # stay as they were), integer averages, and a non-contiguous member (the fusion-buffer path)
+    for dtype, op, pre, post in [(torch.float64, hvd.Sum, 2.0, 0.5), (torch.int32, hvd.Average, 1.0, 1.0),
+                                 (torch.float32, hvd.Max, 1.0, 3.0)]:
+        seed = 500 + dtype.itemsize
+        per = CHUNK // dtype.itemsize
+        sizes = [per // 3 + 1, per - 5, 7, per // 2 + 11, 1]
+        group = [[rank_input(seed + i, r, (n,), dtype, op) for i, n in enumerate(sizes)] for r in range(size)]
+        before = [t.clone() for t in group[rank]]
+        got = hvd.grouped_allreduce(group[rank], op=op, name=f"pieces.{dtype}", prescale_factor=pre,
+                                    postscale_factor=post)
+        for i in range(len(sizes)):
+            want = reduce_reference([group[r][i] for r in range(size)], op, pre, post)
+            assert_close(got[i], want, dtype, f"{dtype} pieces member {i} on rank {rank}")
+            assert torch.equal(group[rank][i], before[i]), "an out-of-place allreduce changed its input"
+    wide = [rank_input(600, r, (40, 30), torch.float32) for r in range(size)]
+    dense = [rank_input(601, r, (1000,), torch.float32) for r in range(size)]
+    mixed = [wide[rank].clone().t(), dense[rank].clone()]
+    hvd.grouped_allreduce_(mixed, op=hvd.Sum, name="mixed")
+    assert_close(mixed[0], reduce_reference(wide, hvd.Sum).t(), torch.float32, f"transposed on rank {rank}")
+    assert_close(mixed[1], reduce_reference(dense, hvd.Sum), torch.float32, f"dense beside it on rank {rank}")
     mine = [t.clone() for t in inputs[rank]]
     for h in [hvd.allreduce_async_(t, op=hvd.Average, name=f"async.{i}") for i, t in enumerate(mine)]:
         hvd.synchronize(h)
