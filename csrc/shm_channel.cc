@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -24,7 +25,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr auto kSpin = std::chrono::microseconds(50);  // before sleeping on the futex
+constexpr auto kSpin = std::chrono::microseconds(20);  // busy, before yielding
+constexpr auto kYield = std::chrono::microseconds(500);  // yielding, before sleeping on the futex
 constexpr int kCheckMs = 10;                           // a sleeper checks its peers this often
 
 inline void Relax() {
@@ -210,8 +212,12 @@ void ShmChannel::Wait(uint64_t target) {
         throw std::runtime_error("rank " + std::to_string(ranks_[aborted - 1]) +
                                  " stopped taking part in the shared-memory channel");
       }
-      if ((++spins & 63) != 0 || Clock::now() - start < kSpin) {
+      if ((++spins & 63) != 0) {
         Relax();
+        continue;
+      }
+      if (const auto waited = Clock::now() - start; waited < kYield) {
+        if (waited >= kSpin) sched_yield();
         continue;
       }
       header_->sleepers.fetch_add(1);

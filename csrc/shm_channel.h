@@ -21,7 +21,13 @@
 // chunk k. Every rank sums in the same order (rank 0's value first), and every rank copies the
 // same result area, so every rank receives bit-identical results.
 //
-// Barriers spin briefly, then sleep on a futex in the segment. A sleeping rank wakes every
+// Barriers spin briefly (20 us), then yield the core in a loop for up to 500 us, then sleep on a
+// futex in the segment. The yielding phase is there because waking a sleeper is slow where
+// cores idle: on the 2-core reference VM a barrier whose peer was already there took 100-460 us
+// when the waiter had gone to sleep (its idle vCPU had to be woken), 1-8 us with yielding
+// (grouped 200 x 4 KB: 1.45 -> 1.13-1.36 ms). sched_yield hands the core to any thread that
+// wants it (the rank's own compute), so the wait costs little CPU when the core is busy; the
+// training steps of bench/training.py did not get slower. A sleeping rank wakes every
 // kCheckMs to check that the ranks it waits for are alive (their pids, which all live on this
 // host); a rank that exited makes this one throw naming it (the engine then reports a rank
 // failure, as for a broken Gloo connection). A rank that fails inside the channel sets the

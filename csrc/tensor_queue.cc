@@ -5,7 +5,7 @@
 namespace hvdlite {
 
 Status TensorQueue::Push(std::vector<Entry> entries) {
-  std::unordered_set<std::string> names;
+  std::unordered_set<std::string> names;  // only a group can repeat a name within one call
   std::lock_guard<std::mutex> lock(mu_);
   if (!closed_.ok() && !entries.empty()) {
     // Note [Status subjects]: why the engine stopped, now about this call.
@@ -13,7 +13,7 @@ Status TensorQueue::Push(std::vector<Entry> entries) {
   }
   for (const Entry& entry : entries) {
     const Request& r = entry.request;
-    if (!names.insert(r.name).second) {
+    if (entries.size() > 1 && !names.insert(r.name).second) {
       return Status::Of(StatusCode::kInvalidArgument, KindName(r.kind), r.name,
                         "the name appears twice in one grouped call; names must be unique");
     }

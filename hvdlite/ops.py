@@ -219,23 +219,23 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      postscale_factor=1.0, process_set=global_process_set):
     """In-place ``allreduce_async``: the result is written into ``tensor``."""
     # The per-gradient call of a training loop, without the general path's checks and lists
-    # (they cost about a microsecond per tensor): a dense CPU tensor of a dtype the transport
-    # reduces, a plain op, no scaling, the global set. Anything else takes the general path,
-    # which also says what is wrong.
+    # (they cost about a microsecond per tensor): a plain op, no scaling, the global set; the
+    # engine takes the tensor if it is dense, on the CPU and of a dtype the transport reduces
+    # (it checks that in C++), else returns -1. Anything else takes the general path, which also
+    # says what is wrong. The handle maps to a (core handle, tensor) pair (see synchronize).
     if (average is None and process_set is global_process_set and (op is None or type(op) is int and op in _PLAIN_OPS)
             and type(prescale_factor) is float and prescale_factor == 1.0 and type(postscale_factor) is float
-            and postscale_factor == 1.0 and (name is None or type(name) is str) and isinstance(tensor, torch.Tensor)
-            and tensor.dtype in _SUPPORTED_DTYPE_SET and tensor.layout == torch.strided and tensor.is_cpu):
+            and postscale_factor == 1.0 and (name is None or type(name) is str) and isinstance(tensor, torch.Tensor)):
         state = _state.current()
         engine = state.sets[0].engine
         try:
-            core = engine.enqueue_one(_ALLREDUCE, tensor, tensor, name or "", Average if op is None else op, 0,
-                                      1.0, 1.0)
+            core = engine.allreduce_(tensor, name or "", Average if op is None else op)
         except Exception as exc:
             raise _state.explain(exc, state, engine)
-        handle = next(state.handle_ids)
-        state.handles[handle] = _Pending(engine, (core,), _first)
-        return handle
+        if core >= 0:
+            handle = next(state.handle_ids)
+            state.handles[handle] = (core, tensor)
+            return handle
     _check_tensor("allreduce_async_", tensor, dtypes=_REDUCIBLE)
     return _allreduce("allreduce_async_", [tensor], True, average, name, op, prescale_factor,
                       postscale_factor, process_set, grouped=False)
@@ -454,7 +454,10 @@ def join(device=-1):
 
 def poll(handle):
     """True when the operation behind ``handle`` has finished (successfully or not)."""
-    pending = _state.current().handles.get(handle)
+    state = _state.current()
+    pending = state.handles.get(handle)
+    if type(pending) is tuple:  # (core handle, tensor): see synchronize
+        return state.sets[0].engine.poll(pending[0])
     if pending is None:
         raise ValueError(f"poll: unknown handle {handle!r} (already synchronized?)")
     if isinstance(pending, _Combined):
@@ -484,6 +487,13 @@ def synchronize(handle):
     """
     state = _state.current()
     pending = state.handles.pop(handle, None)
+    if type(pending) is tuple:  # allreduce_async_'s common case: (core handle, the tensor)
+        engine = state.sets[0].engine
+        try:
+            engine.wait_done(pending[0])
+        except Exception as exc:
+            raise _state.explain(exc, state, engine)
+        return pending[1]
     if pending is None:
         raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
     if isinstance(pending, _Combined):
