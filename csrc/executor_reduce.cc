@@ -34,7 +34,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
 
   auto finish = [&](at::Tensor& part) { Postprocess(part, average, item.average_divisor, request.postscale); };
   Entry& first = locals.front().entry;
-  if (!scatter && total > 0 && shm_ != nullptr && !hierarchical_ && first.input.device().is_cpu()) {
+  if (!scatter && total > 0 && shm_ != nullptr && first.input.device().is_cpu()) {
     // Note [Fusing straight into shared memory] (shm_channel.h)
     std::vector<ShmChannel::Piece> pieces;
     pieces.reserve(locals.size());
@@ -50,10 +50,13 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     }
     if (!pieces.empty()) {
       const double prescale = request.prescale;
+      // Note [Hierarchical allreduce]: the host's sum goes across hosts, chunk by chunk
+      ShmChannel::Hook across;
+      if (hierarchical_) across = [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, wire_op); };
       CollectiveStarts();
       shm_->AllreducePieces(pieces, first.input.scalar_type(), wire_op,
                             prescale == 1.0 ? ShmChannel::Hook() : [prescale](at::Tensor& t) { Scale(t, prescale); },
-                            finish);
+                            finish, across);
       CollectiveEnds();
       return;
     }

@@ -250,7 +250,7 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<vo
 }
 
 void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
-                                 const Hook& prescale, const Hook& finish) {
+                                 const Hook& prescale, const Hook& finish, const Hook& across) {
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t total_bytes = 0;
   for (const Piece& piece : pieces) total_bytes += piece.bytes;
@@ -289,7 +289,7 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
           from += bytes;
         });
       },
-      prescale, finish, nullptr);
+      prescale, finish, across);
 }
 
 void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Copy& fill, const Copy& drain,
@@ -316,13 +316,14 @@ void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Co
         at::Tensor result = view(Result(bank));
         Combine(result, view(Slot(bank, 0)), view(Slot(bank, 1)), op);
         for (int r = 2; r < size_; ++r) Combine(result, result, view(Slot(bank, r)), op);
-        if (finish) finish(result);
+        if (finish && !across) finish(result);
       }
       Barrier();
       if (across) {  // the host's sum goes across hosts before anyone copies it out
         if (rank_ == 0) {
           at::Tensor reduced = at::from_blob(Result(bank), {n}, options);
           across(reduced);
+          if (finish) finish(reduced);  // the job's sum, scaled once by one rank of the host
         }
         Barrier();
       }

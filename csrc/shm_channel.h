@@ -96,7 +96,9 @@ class ShmChannel {
   // output, half the copies of buffer-then-slot. Scaling rides along: `prescale` runs on this
   // rank's slot after its copy in, `finish` (the average and postscale) on this rank's share of
   // the result before the second barrier, so each element is scaled once, by one rank, and
-  // every rank copies out the same bytes. A piece's `in` and `out` may be the same memory.
+  // every rank copies out the same bytes. With `across` (hierarchical), `finish` runs on rank 0
+  // of the channel after `across`, on the whole chunk. A piece's `in` and `out` may be the
+  // same memory.
   using Hook = std::function<void(at::Tensor&)>;
   struct Piece {
     const char* in;
@@ -104,7 +106,7 @@ class ShmChannel {
     int64_t bytes;
   };
   void AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
-                       const Hook& prescale, const Hook& finish);
+                       const Hook& prescale, const Hook& finish, const Hook& across = nullptr);
 
   static size_t SegmentBytes(int size, int64_t chunk_bytes = 0);
   // Note [Hierarchical allreduce]: every host cuts buffers at the same element counts, so the

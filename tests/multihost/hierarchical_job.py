@@ -35,6 +35,16 @@ def main():
     for i, t in enumerate(mine):
         assert_close(t, reduce_reference([inputs[r][i] for r in range(size)], hvd.Sum), torch.float32,
                      f"grouped {i} on rank {rank}")
+    # grouped and scaled, members straddling the 2 MB chunks the hierarchical path cuts at; the
+    # scaling happens once, after the sum across hosts (Note [Fusing straight into shared memory])
+    sizes = [300_001, 7, 700_003]
+    for dtype, op, pre, post in [(torch.float64, hvd.Sum, 2.0, 0.5), (torch.int32, hvd.Average, 1.0, 1.0)]:
+        group = [[rank_input(80 + i, r, (n,), dtype, op) for i, n in enumerate(sizes)] for r in range(size)]
+        got = hvd.grouped_allreduce(group[rank], op=op, name=f"scaled.{dtype}", prescale_factor=pre,
+                                    postscale_factor=post)
+        for i in range(len(sizes)):
+            want = reduce_reference([group[r][i] for r in range(size)], op, pre, post)
+            assert_close(got[i], want, dtype, f"scaled grouped {dtype} member {i} on rank {rank}")
     rows = [rank_input(70, r, (size * 3, 100), torch.float32) for r in range(size)]
     got = hvd.reducescatter(rows[rank], op=hvd.Sum, name="rs")
     assert_close(got, reduce_reference(rows, hvd.Sum).tensor_split(size)[rank], torch.float32,
