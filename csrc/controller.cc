@@ -159,17 +159,40 @@ Controller::Controller(int size, double stall_check_seconds, double stall_shutdo
       cache_(cache_capacity, size),
       average_over_contributors_(average_over_contributors) {}
 
+bool Controller::InStep(const std::vector<RankMessage>& messages) const {
+  // Note [Rounds in step]
+  if (!in_step_enabled_ || !pending_.empty() || !groups_.empty() || last_joined_ >= 0 ||
+      std::find(joined_.begin(), joined_.end(), true) != joined_.end()) {
+    return false;
+  }
+  const std::vector<Request>& first = messages.front().requests;
+  if (first.empty()) return false;
+  for (const RankMessage& message : messages) {
+    if (message.requests.size() != first.size()) return false;
+  }
+  for (size_t i = 0; i < first.size(); ++i) {
+    if (!first[i].group.empty() || first[i].kind == CollectiveKind::kJoin) return false;
+    for (size_t r = 1; r < messages.size(); ++r) {
+      const Request& other = messages[r].requests[i];
+      if (!other.group.empty() || other.name != first[i].name) return false;
+    }
+  }
+  return true;
+}
+
 RoundResult Controller::ProcessRound(std::vector<RankMessage> messages) {
   RoundResult result;
   const int64_t now_ms = messages.front().clock_ms;
   bool any_request = false;
   result.all_outstanding = true;
+  const bool in_step = InStep(messages);
   for (int rank = 0; rank < static_cast<int>(messages.size()); ++rank) {
     RankMessage& message = messages[rank];
     if (message.flags & kFlagShutdown) result.shutdown = true;
     if (!(message.flags & kFlagHasOutstanding)) result.all_outstanding = false;
     auto& requests = message.requests;
     any_request = any_request || !requests.empty();
+    if (in_step) continue;
     for (size_t i = 0; i < requests.size();) {
       if (requests[i].group.empty()) {
         Record(rank, std::move(requests[i++]), now_ms, &result.ready);
@@ -180,6 +203,20 @@ RoundResult Controller::ProcessRound(std::vector<RankMessage> messages) {
       const std::string group = requests[i].group;
       while (i < requests.size() && requests[i].group == group) members.push_back(std::move(requests[i++]));
       RecordGroup(rank, std::move(members), now_ms, &result.ready);
+    }
+  }
+  if (in_step) {
+    // Note [Rounds in step]: each name completes here, in the order of the messages, as the
+    // slow path would complete it on the last rank's request; no table entry is made.
+    Pending scratch;
+    scratch.by_rank.resize(size_);
+    for (size_t i = 0; i < messages.front().requests.size(); ++i) {
+      scratch.submitted.assign(size_, true);
+      scratch.count = size_;
+      scratch.first_seen_ms = now_ms;
+      scratch.sequence = next_sequence_++;
+      for (int r = 0; r < size_; ++r) scratch.by_rank[r] = std::move(messages[r].requests[i]);
+      Decide(MakeReady(scratch), &result.ready);
     }
   }
   InspectStalls(now_ms, &result);

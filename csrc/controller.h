@@ -91,6 +91,8 @@ class Controller {
   uint64_t Digest() const;
   // Test hook (Config::test_forget_cache_round): this controller forgets its response cache.
   void ForgetCacheForTest() { cache_.Clear(); }
+  // Test hook (tests/unit): every round takes the general path (Note [Rounds in step]).
+  void DisableInStepForTest() { in_step_enabled_ = false; }
 
  private:
   struct Pending {
@@ -109,6 +111,17 @@ class Controller {
     size_t size = 0;                                  // members, once the manifests agree
   };
 
+  // Note [Rounds in step]
+  // The common round of a training loop: nothing is pending, no rank has joined, and every rank
+  // sends the same names in the same order, none grouped. Then every name completes in this
+  // round, in that order, exactly as the general path would decide it (each name completes on
+  // the last rank's request, so the slow path emits them in the last rank's order, which is
+  // everyone's), and the round skips the pending table: no hash entries, no arrival index, no
+  // completeness scans. Decisions, the cache and the digest are updated by the same MakeReady
+  // and Decide calls. Names are unique within one rank's message (TensorQueue::Push refuses a
+  // name already in flight). Every rank sees the same messages, so every rank takes the same
+  // path.
+  bool InStep(const std::vector<RankMessage>& messages) const;
   // Adds `request` to the pending table; returns its entry, or null (after emitting a kInternal
   // failure) when `rank` had already submitted that name.
   Pending* Add(int rank, Request&& request, int64_t now_ms, std::vector<ReadyItem>* ready);
@@ -139,6 +152,7 @@ class Controller {
   ResponseCache cache_;
   uint64_t decisions_ = 0;  // Note [Agreement digest]: chain over every decision
   bool average_over_contributors_;
+  bool in_step_enabled_ = true;
 };
 
 // Compares the requests that `ranks` made for one name (by_rank[i] is ranks[i]'s). Returns Ok

@@ -71,8 +71,10 @@ RankMessage MessageFromDict(const py::dict& d) {
 // A Controller driven round by round from Python, as every rank would drive its own.
 class ControllerHarness {
  public:
-  ControllerHarness(int size, double stall_check, double stall_shutdown, size_t cache_capacity)
-      : controller_(size, stall_check, stall_shutdown, cache_capacity) {}
+  ControllerHarness(int size, double stall_check, double stall_shutdown, size_t cache_capacity, bool in_step)
+      : controller_(size, stall_check, stall_shutdown, cache_capacity) {
+    if (!in_step) controller_.DisableInStepForTest();
+  }
   // Encodes rank `rank`'s message as it would travel (cached requests abbreviated), then
   // decodes it as the receivers would: returns (bytes on the wire, decoded message).
   py::tuple Wire(int rank, const py::dict& message) {
@@ -167,9 +169,9 @@ py::dict DecodeMessage(const py::bytes& data) {
 
 void DefineTestHooks(py::module_& m) {
   py::class_<ControllerHarness>(m, "_ControllerHarness")
-      .def(py::init<int, double, double, size_t>(), py::arg("size"),
+      .def(py::init<int, double, double, size_t, bool>(), py::arg("size"),
            py::arg("stall_check_seconds") = 0.0, py::arg("stall_shutdown_seconds") = 0.0,
-           py::arg("cache_capacity") = 0)
+           py::arg("cache_capacity") = 0, py::arg("in_step") = true)
       .def("round", &ControllerHarness::Round)
       .def("wire", &ControllerHarness::Wire)
       .def("digest", &ControllerHarness::Digest)

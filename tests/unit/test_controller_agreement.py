@@ -125,3 +125,53 @@ def test_digest_reflects_decisions_and_cache_capacity():
     fail.round([msg(req("z")), msg(req("z", shape=[5]))])
     ok.round([msg(req("z")), msg(req("z"))])
     assert fail.digest() != ok.digest()
+
+
+def test_rounds_in_step_decide_exactly_as_the_general_path():
+    """Note [Rounds in step]: a controller that takes the short path for rounds where every rank
+    sends the same names in the same order must decide everything (order, outcomes, messages,
+    contributors, inlining, cache, digest) as one that always takes the general path. Random
+    rounds mix in-step rounds with mismatched shapes and dtypes, inlined payloads, other orders,
+    names some ranks have not sent yet, groups and joins."""
+    import random
+    rng = random.Random(7)
+    for size in (2, 3):
+        fast = _core._ControllerHarness(size, cache_capacity=16)
+        slow = _core._ControllerHarness(size, cache_capacity=16, in_step=False)
+        names = [f"t{i}" for i in range(12)]
+        in_step_rounds = 0
+        for round_no in range(300):
+            kind = rng.random()
+            chosen = rng.sample(names, rng.randint(1, 5))
+            messages = []
+            for r in range(size):
+                reqs = []
+                for n in chosen:
+                    extra = {}
+                    if rng.random() < 0.1:
+                        extra["shape"] = [5]  # a shape mismatch
+                    if rng.random() < 0.05:
+                        extra["dtype"] = 7
+                    if kind < 0.2:
+                        extra["payload"] = bytes([r + 1]) * 16  # inlined
+                    reqs.append(req(n, **extra))
+                if kind > 0.8:
+                    rng.shuffle(reqs)  # another order on some ranks: the general path
+                messages.append(msg(*reqs))
+            if 0.75 < kind <= 0.8:  # one rank is a round late: pending names
+                late = rng.randrange(size)
+                held = messages[late]
+                messages[late] = msg()
+                a, b = fast.round(messages), slow.round(messages)
+                assert a == b and fast.digest() == slow.digest(), f"round {round_no} (early ranks)"
+                messages = [msg() for _ in range(size)]
+                messages[late] = held
+            if 0.7 < kind <= 0.72:
+                messages = [msg(*group("G", "G.0", "G.1")) for _ in range(size)]
+            a, b = fast.round(messages), slow.round(messages)
+            in_step_rounds += kind <= 0.7
+            assert a == b, f"round {round_no}: {a} != {b}"
+            assert fast.digest() == slow.digest(), f"digests differ after round {round_no}"
+        assert in_step_rounds > 100
+        outcomes = {i["code"] for i in fast.round([msg(req("last"))] * size)["ready"]}
+        assert outcomes == {0}
