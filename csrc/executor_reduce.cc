@@ -109,15 +109,17 @@ void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* b
         at::Tensor part = flat.narrow(0, offset, std::min(per, flat.numel() - offset));
         cross_->Allreduce(part, op);
       }
+      finish(flat);
     } else {
-      shm_->Allreduce(flat, op, [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); });
+      // Scaled inside the channel, where Reduce's pieces path scales too: a rank that fused
+      // through a buffer and one that fused straight into the segment must leave the same
+      // bytes there (Note [Fusing straight into shared memory]).
+      shm_->Allreduce(flat, op, [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); }, finish);
     }
-    finish(flat);
     return;
   }
   if (shm_ != nullptr && flat.device().is_cpu()) {  // Note [Shared-memory allreduce]
-    shm_->Allreduce(flat, op);
-    finish(flat);
+    shm_->Allreduce(flat, op, nullptr, finish);  // scaled inside, as above
     return;
   }
   const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());

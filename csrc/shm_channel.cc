@@ -239,14 +239,15 @@ void ShmChannel::Wait(uint64_t target) {
   }
 }
 
-void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across) {
+void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across,
+                           const std::function<void(at::Tensor&)>& finish) {
   const int64_t element = static_cast<int64_t>(flat.element_size());
   auto* data = static_cast<char*>(flat.data_ptr());
   Run(
       flat.numel(), flat.scalar_type(), op,
       [&](char* slot, int64_t offset, int64_t n) { std::memcpy(slot, data + offset * element, n * element); },
       [&](char* result, int64_t offset, int64_t n) { std::memcpy(data + offset * element, result, n * element); },
-      nullptr, nullptr, across);
+      nullptr, finish, across);
 }
 
 void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,

@@ -87,8 +87,10 @@ class ShmChannel {
   // when a peer exited, aborted or timed out. With `across` (Note [Hierarchical allreduce] in
   // executor.h), each chunk's reduction over these ranks is handed to `across` on rank 0 of the
   // channel (which allreduces it with the other hosts) before anyone copies it out; every rank
-  // of the channel must pass `across` or none.
-  void Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across = nullptr);
+  // of the channel must pass `across` or none. `finish` (the average and postscale) is applied
+  // inside, as AllreducePieces applies it, so ranks that take either entry agree.
+  void Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across = nullptr,
+                 const std::function<void(at::Tensor&)>& finish = nullptr);
 
   // Note [Fusing straight into shared memory]
   // A fused batch of dense CPU tensors skips the fusion buffer: each member's bytes are copied
@@ -98,7 +100,11 @@ class ShmChannel {
   // the result before the second barrier, so each element is scaled once, by one rank, and
   // every rank copies out the same bytes. With `across` (hierarchical), `finish` runs on rank 0
   // of the channel after `across`, on the whole chunk. A piece's `in` and `out` may be the
-  // same memory.
+  // same memory. Whether a rank can take this path depends on its own tensors (a
+  // non-contiguous member sends its batch through a fusion buffer and Allreduce), so the two
+  // must be interchangeable between ranks: both run the same chunks and barriers (Run) and
+  // scale at the same points, so every rank's share in the segment holds the same bytes
+  // whichever entry each rank took.
   using Hook = std::function<void(at::Tensor&)>;
   struct Piece {
     const char* in;

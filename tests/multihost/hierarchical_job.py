@@ -45,6 +45,14 @@ def main():
         for i in range(len(sizes)):
             want = reduce_reference([group[r][i] for r in range(size)], op, pre, post)
             assert_close(got[i], want, dtype, f"scaled grouped {dtype} member {i} on rank {rank}")
+    # ranks that disagree about layout (dense on even ranks, transposed views on odd ones) take
+    # different entries into the channel and must still scale alike
+    base = [rank_input(90, r, (20_001, 30), torch.float32) for r in range(size)]
+    mine = base[rank].clone() if rank % 2 == 0 else base[rank].t().contiguous().t()
+    got = hvd.grouped_allreduce([mine, mine * 2], op=hvd.Average, name="layouts", postscale_factor=0.5)
+    for i, factor in enumerate((1, 2)):
+        want = reduce_reference([b * factor for b in base], hvd.Average, 1.0, 0.5)
+        assert_close(got[i], want, torch.float32, f"mixed layouts member {i} on rank {rank}")
     rows = [rank_input(70, r, (size * 3, 100), torch.float32) for r in range(size)]
     got = hvd.reducescatter(rows[rank], op=hvd.Sum, name="rs")
     assert_close(got, reduce_reference(rows, hvd.Sum).tensor_split(size)[rank], torch.float32,

@@ -78,6 +78,22 @@ def _allreduces(expect_shared):
     hvd.grouped_allreduce_(mixed, op=hvd.Sum, name="mixed")
     assert_close(mixed[0], reduce_reference(wide, hvd.Sum).t(), torch.float32, f"transposed on rank {rank}")
     assert_close(mixed[1], reduce_reference(dense, hvd.Sum), torch.float32, f"dense beside it on rank {rank}")
+    # ranks that disagree about layout: rank 0's members are dense (straight into the segment),
+    # the others' are transposed views (through a fusion buffer); both must scale alike
+    for op, pre, post in [(hvd.Average, 1.0, 1.0), (hvd.Sum, 2.0, 0.25)]:
+        base = [[rank_input(700 + i, r, (CHUNK // 4 // 60 + 3, 60), torch.float32) for i in range(2)]
+                for r in range(size)]
+        mine = [t.clone() if rank == 0 else t.t().contiguous().t() for t in base[rank]]
+        assert all(t.is_contiguous() == (rank == 0) for t in mine)
+        got = hvd.grouped_allreduce(mine, op=op, name=f"layouts.{op}", prescale_factor=pre,
+                                    postscale_factor=post)
+        for i in range(2):
+            want = reduce_reference([base[r][i] for r in range(size)], op, pre, post)
+            assert_close(got[i], want, torch.float32, f"mixed layouts, op {op}, member {i} on rank {rank}")
+        single = base[rank][0].clone() if rank == 0 else base[rank][0].t().contiguous().t()
+        got = hvd.allreduce(single, op=op, name=f"layouts.one.{op}", prescale_factor=pre, postscale_factor=post)
+        want = reduce_reference([base[r][0] for r in range(size)], op, pre, post)
+        assert_close(got, want, torch.float32, f"mixed layouts, one tensor, op {op} on rank {rank}")
     mine = [t.clone() for t in inputs[rank]]
     for h in [hvd.allreduce_async_(t, op=hvd.Average, name=f"async.{i}") for i, t in enumerate(mine)]:
         hvd.synchronize(h)
