@@ -174,7 +174,7 @@ bool Controller::InStep(const std::vector<RankMessage>& messages) const {
     if (!first[i].group.empty() || first[i].kind == CollectiveKind::kJoin) return false;
     for (size_t r = 1; r < messages.size(); ++r) {
       const Request& other = messages[r].requests[i];
-      if (!other.group.empty() || other.name != first[i].name) return false;
+      if (!other.group.empty() || other.kind == CollectiveKind::kJoin || other.name != first[i].name) return false;
     }
   }
   return true;
@@ -206,6 +206,7 @@ RoundResult Controller::ProcessRound(std::vector<RankMessage> messages) {
     }
   }
   if (in_step) {
+    ++in_step_rounds_;
     // Note [Rounds in step]: each name completes here, in the order of the messages, as the
     // slow path would complete it on the last rank's request; no table entry is made.
     Pending scratch;

@@ -93,6 +93,7 @@ class Controller {
   void ForgetCacheForTest() { cache_.Clear(); }
   // Test hook (tests/unit): every round takes the general path (Note [Rounds in step]).
   void DisableInStepForTest() { in_step_enabled_ = false; }
+  uint64_t in_step_rounds() const { return in_step_rounds_; }
 
  private:
   struct Pending {
@@ -113,7 +114,7 @@ class Controller {
 
   // Note [Rounds in step]
   // The common round of a training loop: nothing is pending, no rank has joined, and every rank
-  // sends the same names in the same order, none grouped. Then every name completes in this
+  // sends the same names in the same order, none grouped and none a join. Then every name completes in this
   // round, in that order, exactly as the general path would decide it (each name completes on
   // the last rank's request, so the slow path emits them in the last rank's order, which is
   // everyone's), and the round skips the pending table: no hash entries, no arrival index, no
@@ -153,6 +154,7 @@ class Controller {
   uint64_t decisions_ = 0;  // Note [Agreement digest]: chain over every decision
   bool average_over_contributors_;
   bool in_step_enabled_ = true;
+  uint64_t in_step_rounds_ = 0;  // rounds that took the short path (for tests)
 };
 
 // Compares the requests that `ranks` made for one name (by_rank[i] is ranks[i]'s). Returns Ok

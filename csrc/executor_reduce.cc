@@ -48,7 +48,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
                         static_cast<char*>(local.entry.output.data_ptr()),
                         static_cast<int64_t>(local.entry.input.nbytes())});
     }
-    if (!pieces.empty()) {
+    if (!pieces.empty() && !ShmChannel::PiecesOverlap(pieces)) {
       const double prescale = request.prescale;
       // Note [Hierarchical allreduce]: the host's sum goes across hosts, chunk by chunk
       ShmChannel::Hook across;

@@ -250,6 +250,22 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<vo
       nullptr, finish, across);
 }
 
+bool ShmChannel::PiecesOverlap(const std::vector<Piece>& pieces) {
+  // Every distinct byte range a batch reads or writes, sorted: neighbours must not overlap.
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  ranges.reserve(2 * pieces.size());
+  for (const Piece& piece : pieces) {
+    const auto in = reinterpret_cast<uintptr_t>(piece.in), out = reinterpret_cast<uintptr_t>(piece.out);
+    ranges.emplace_back(in, in + piece.bytes);
+    if (out != in) ranges.emplace_back(out, out + piece.bytes);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) return true;
+  }
+  return false;
+}
+
 void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
                                  const Hook& prescale, const Hook& finish, const Hook& across) {
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));

@@ -21,8 +21,9 @@
 // chunk k. Every rank sums in the same order (rank 0's value first), and every rank copies the
 // same result area, so every rank receives bit-identical results.
 //
-// Barriers spin briefly (20 us), then yield the core in a loop for up to 500 us, then sleep on a
-// futex in the segment. The yielding phase is there because waking a sleeper is slow where
+// A barrier wait spins briefly (20 us), then keeps spinning but calls sched_yield every 64 spins
+// until 500 us have passed since the wait began (one budget for the whole wait, however many
+// peers it waits for), then sleeps on a futex in the segment. The yielding phase is there because waking a sleeper is slow where
 // cores idle: on the 2-core reference VM a barrier whose peer was already there took 100-460 us
 // when the waiter had gone to sleep (its idle vCPU had to be woken), 1-8 us with yielding
 // (grouped 200 x 4 KB: 1.45 -> 1.13-1.36 ms). sched_yield hands the core to any thread that
@@ -100,7 +101,7 @@ class ShmChannel {
   // the result before the second barrier, so each element is scaled once, by one rank, and
   // every rank copies out the same bytes. With `across` (hierarchical), `finish` runs on rank 0
   // of the channel after `across`, on the whole chunk. A piece's `in` and `out` may be the
-  // same memory. Whether a rank can take this path depends on its own tensors (a
+  // same memory; pieces that otherwise share memory are refused (PiecesOverlap). Whether a rank can take this path depends on its own tensors (a
   // non-contiguous member sends its batch through a fusion buffer and Allreduce), so the two
   // must be interchangeable between ranks: both run the same chunks and barriers (Run) and
   // scale at the same points, so every rank's share in the segment holds the same bytes
@@ -111,6 +112,10 @@ class ShmChannel {
     char* out;
     int64_t bytes;
   };
+  // True when some piece's memory overlaps another piece's, or a piece's `in` and `out`
+  // overlap without being the same: chunk k is copied out before chunk k + 1 is copied in, so
+  // such a batch (the same tensor twice in a group, say) must go through a fusion buffer.
+  static bool PiecesOverlap(const std::vector<Piece>& pieces);
   void AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
                        const Hook& prescale, const Hook& finish, const Hook& across = nullptr);
 

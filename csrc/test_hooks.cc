@@ -101,6 +101,7 @@ class ControllerHarness {
     out["all_outstanding"] = result.all_outstanding;
     out["stall_warning"] = result.stall_warning;
     out["pending"] = controller_.pending_count();
+    out["in_step_rounds"] = controller_.in_step_rounds();
     out["cache_entries"] = controller_.cache_entries();
     return out;
   }

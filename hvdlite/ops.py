@@ -220,7 +220,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """In-place ``allreduce_async``: the result is written into ``tensor``."""
     # The per-gradient call of a training loop, without the general path's checks and lists
     # (they cost about a microsecond per tensor): a plain op, no scaling, the global set; the
-    # engine takes the tensor if it is dense, on the CPU and of a dtype the transport reduces
+    # engine takes the tensor if it is strided, on the CPU and of a dtype the transport reduces
     # (it checks that in C++), else returns -1. Anything else takes the general path, which also
     # says what is wrong. The handle maps to a (core handle, tensor) pair (see synchronize).
     if (average is None and process_set is global_process_set and (op is None or type(op) is int and op in _PLAIN_OPS)

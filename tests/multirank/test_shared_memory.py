@@ -94,6 +94,12 @@ def _allreduces(expect_shared):
         got = hvd.allreduce(single, op=op, name=f"layouts.one.{op}", prescale_factor=pre, postscale_factor=post)
         want = reduce_reference([base[r][0] for r in range(size)], op, pre, post)
         assert_close(got, want, torch.float32, f"mixed layouts, one tensor, op {op} on rank {rank}")
+    # the same tensor twice in one group, the pair longer than a chunk: members that share memory
+    # go through a fusion buffer (ShmChannel::PiecesOverlap)
+    base = [rank_input(800, r, (3 * CHUNK // 16,), torch.float32) for r in range(size)]
+    twice = base[rank].clone()
+    hvd.grouped_allreduce_([twice, twice], op=hvd.Sum, name="twice")
+    assert_close(twice, reduce_reference(base, hvd.Sum), torch.float32, f"one tensor twice on rank {rank}")
     mine = [t.clone() for t in inputs[rank]]
     for h in [hvd.allreduce_async_(t, op=hvd.Average, name=f"async.{i}") for i, t in enumerate(mine)]:
         hvd.synchronize(h)

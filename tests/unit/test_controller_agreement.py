@@ -132,15 +132,25 @@ def test_rounds_in_step_decide_exactly_as_the_general_path():
     sends the same names in the same order must decide everything (order, outcomes, messages,
     contributors, inlining, cache, digest) as one that always takes the general path. Random
     rounds mix in-step rounds with mismatched shapes and dtypes, inlined payloads, other orders,
-    names some ranks have not sent yet, groups and joins."""
+    names some ranks have not sent yet, groups, joins, and a cache small enough to evict."""
     import random
     rng = random.Random(7)
+    join = _core.COLLECTIVE_KINDS["join"]
+
+    def same(a, b, where):
+        a, b = dict(a), dict(b)
+        fast_count = a.pop("in_step_rounds")
+        assert b.pop("in_step_rounds") == 0, "the general-path controller took the short path"
+        assert a == b, f"{where}: {a} != {b}"
+        assert fast.digest() == slow.digest(), f"digests differ after {where}"
+        return fast_count
+
     for size in (2, 3):
-        fast = _core._ControllerHarness(size, cache_capacity=16)
-        slow = _core._ControllerHarness(size, cache_capacity=16, in_step=False)
+        fast = _core._ControllerHarness(size, cache_capacity=8)
+        slow = _core._ControllerHarness(size, cache_capacity=8, in_step=False)
         names = [f"t{i}" for i in range(12)]
-        in_step_rounds = 0
-        for round_no in range(300):
+        in_step = 0
+        for round_no in range(400):
             kind = rng.random()
             chosen = rng.sample(names, rng.randint(1, 5))
             messages = []
@@ -162,16 +172,20 @@ def test_rounds_in_step_decide_exactly_as_the_general_path():
                 late = rng.randrange(size)
                 held = messages[late]
                 messages[late] = msg()
-                a, b = fast.round(messages), slow.round(messages)
-                assert a == b and fast.digest() == slow.digest(), f"round {round_no} (early ranks)"
+                in_step = same(fast.round(messages), slow.round(messages), f"round {round_no} (early ranks)")
                 messages = [msg() for _ in range(size)]
                 messages[late] = held
             if 0.7 < kind <= 0.72:
                 messages = [msg(*group("G", "G.0", "G.1")) for _ in range(size)]
-            a, b = fast.round(messages), slow.round(messages)
-            in_step_rounds += kind <= 0.7
-            assert a == b, f"round {round_no}: {a} != {b}"
-            assert fast.digest() == slow.digest(), f"digests differ after round {round_no}"
-        assert in_step_rounds > 100
-        outcomes = {i["code"] for i in fast.round([msg(req("last"))] * size)["ready"]}
-        assert outcomes == {0}
+            if 0.72 < kind <= 0.74:  # one rank joins while the others go on, then all join
+                joiner = rng.randrange(size)
+                messages[joiner] = msg(req("hvdlite.join", kind=join))
+                in_step = same(fast.round(messages), slow.round(messages), f"round {round_no} (a join)")
+                messages = [msg() if r == joiner else msg(req("hvdlite.join", kind=join)) for r in range(size)]
+            if 0.74 < kind <= 0.75:  # a join on one rank against a same-named allreduce elsewhere
+                joiner = rng.randrange(size)
+                messages = [msg(req("hvdlite.join", kind=join if r == joiner else 0)) for r in range(size)]
+                in_step = same(fast.round(messages), slow.round(messages), f"round {round_no} (join vs allreduce)")
+                messages = [msg() if r == joiner else msg(req("hvdlite.join", kind=join)) for r in range(size)]
+            in_step = same(fast.round(messages), slow.round(messages), f"round {round_no}")
+        assert in_step > 100, f"only {in_step} rounds took the short path"
