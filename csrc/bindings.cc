@@ -134,6 +134,17 @@ int64_t AllreduceInPlace(Engine& engine, const at::Tensor& tensor, const std::st
   return handles.front();
 }
 
+// Both wait bindings: a completed handle is taken with the GIL held (releasing and retaking it
+// costs more than the take); only a wait that blocks releases it. Raises the handle's failure.
+void WaitFor(Engine& engine, int64_t handle, at::Tensor* output, std::vector<int64_t>* aux) {
+  Status status;
+  if (!engine.TryWait(handle, output, aux, &status)) {
+    py::gil_scoped_release release;
+    status = engine.Wait(handle, output, aux);
+  }
+  Check(status);
+}
+
 py::dict ParseConfig(const std::map<std::string, std::string>& env) {
   Config config = ConfigFromMap(env);
   py::dict out;
@@ -208,16 +219,9 @@ PYBIND11_MODULE(_core, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait",
            [](Engine& engine, int64_t handle) {
-             // A completed handle is taken with the GIL held (releasing and retaking it costs
-             // more than the take); only a wait that blocks releases it.
              at::Tensor output;
              std::vector<int64_t> aux;
-             Status status;
-             if (!engine.TryWait(handle, &output, &aux, &status)) {
-               py::gil_scoped_release release;
-               status = engine.Wait(handle, &output, &aux);
-             }
-             Check(status);
+             WaitFor(engine, handle, &output, &aux);
              return std::make_pair(output, aux);
            })
       .def("allreduce_", &AllreduceInPlace)
@@ -227,12 +231,7 @@ PYBIND11_MODULE(_core, m) {
              // nothing to convert on the way back.
              at::Tensor output;
              std::vector<int64_t> aux;
-             Status status;
-             if (!engine.TryWait(handle, &output, &aux, &status)) {
-               py::gil_scoped_release release;
-               status = engine.Wait(handle, &output, &aux);
-             }
-             Check(status);
+             WaitFor(engine, handle, &output, &aux);
            })
       .def("wait_all",
            [](Engine& engine, const std::vector<int64_t>& handles) {

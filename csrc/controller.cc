@@ -209,12 +209,12 @@ RoundResult Controller::ProcessRound(std::vector<RankMessage> messages) {
     ++in_step_rounds_;
     // Note [Rounds in step]: each name completes here, in the order of the messages, as the
     // slow path would complete it on the last rank's request; no table entry is made.
-    Pending scratch;
+    Pending scratch;  // MakeReady moves the requests out and leaves the rest as it was
     scratch.by_rank.resize(size_);
+    scratch.submitted.assign(size_, true);
+    scratch.count = size_;
+    scratch.first_seen_ms = now_ms;
     for (size_t i = 0; i < messages.front().requests.size(); ++i) {
-      scratch.submitted.assign(size_, true);
-      scratch.count = size_;
-      scratch.first_seen_ms = now_ms;
       scratch.sequence = next_sequence_++;
       for (int r = 0; r < size_; ++r) scratch.by_rank[r] = std::move(messages[r].requests[i]);
       Decide(MakeReady(scratch), &result.ready);

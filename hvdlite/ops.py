@@ -16,7 +16,7 @@ import torch
 
 from . import _state
 from ._checks import (  # noqa: F401 (also used by other modules as ops.*)
-    _ANY_DTYPE, _REDUCIBLE, _SUPPORTED_DTYPE_SET, _WIDENED, Adasum, Average, Max, Min, Product, Sum,
+    _ANY_DTYPE, _REDUCIBLE, _WIDENED, Adasum, Average, Max, Min, Product, Sum,
     _check_name, _check_root, _check_scale, _check_splits, _check_tensor, _check_tensors,
     _resolve_op)
 from ._native import _core

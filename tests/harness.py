@@ -83,6 +83,14 @@ class Job:
         with open(os.path.join(self.dir, f"out.{rank}"), "rb") as f:
             return f.read().decode(errors="replace")
 
+    def wait_for_output(self, rank, text, timeout=30):
+        """Waits until `rank` has printed `text`; fails if it exits first or takes too long."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output(rank):
+            assert time.monotonic() < deadline, f"rank {rank} never printed {text!r}:\n{self.output(rank)}"
+            assert self.procs[rank].poll() is None, f"rank {rank} exited early:\n{self.output(rank)}"
+            time.sleep(0.05)
+
     def kill(self, rank):
         self.procs[rank].kill()
 

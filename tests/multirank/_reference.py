@@ -61,6 +61,14 @@ def assert_close(actual, expected, dtype, what):
     assert ok, f"{what}: got {actual.flatten()[:8].tolist()}, expected {expected.flatten()[:8].tolist()}"
 
 
+def assert_members_close(got, by_rank, op, dtype, what, prescale=1.0, postscale=1.0):
+    """A grouped result: got[i] against the reduction of every rank's member i (by_rank[r][i])."""
+    assert len(got) == len(by_rank[0]), f"{what}: {len(got)} members, expected {len(by_rank[0])}"
+    for i, actual in enumerate(got):
+        want = reduce_reference([members[i] for members in by_rank], op, prescale, postscale)
+        assert_close(actual, want, dtype, f"{what}, member {i}")
+
+
 def linear_training(steps, size, seed_stride=100):
     """What data-parallel training of a Linear(4, 1) must reach, computed on one process: seed 0
     for the weights, SGD with lr 0.1, and each step's loss averaged over `size` ranks' batches

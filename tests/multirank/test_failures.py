@@ -12,14 +12,6 @@ import hvdlite as hvd
 from tests.harness import Job
 
 
-def _wait_for(job, rank, text, timeout=30):
-    deadline = time.monotonic() + timeout
-    while text not in job.output(rank):
-        assert time.monotonic() < deadline, f"rank {rank} never printed {text!r}:\n{job.output(rank)}"
-        assert job.procs[rank].poll() is None, f"rank {rank} exited early:\n{job.output(rank)}"
-        time.sleep(0.05)
-
-
 def _victim_or_survivor(victim):
     hvd.init()
     hvd.allreduce(torch.ones(4), name="warm-up")
@@ -55,7 +47,7 @@ def test_killed_rank_fails_survivors_within_seconds_naming_it(launcher, victim):
                      "MASTER_PORT": str(port), "HVDLITE_RANK": ""} for r in range(size)}
     job = Job(size, __name__, "_torchrun_entry" if extra else "_victim_or_survivor", victim,
               rank_env_extra=extra)
-    _wait_for(job, victim, "READY")
+    job.wait_for_output(victim, "READY")
     time.sleep(0.3)  # let the survivors block in their allreduce
     killed_at = time.time()
     job.kill(victim)

@@ -13,7 +13,7 @@ import torch
 import hvdlite as hvd
 from hvdlite import _state
 from tests.harness import Job, run_ranks
-from tests.multirank._reference import assert_close, rank_input, reduce_reference
+from tests.multirank._reference import assert_close, assert_members_close, rank_input, reduce_reference
 
 CHUNK = 4 << 20  # ShmChannel::ChunkBytes for 2 and 3 ranks
 
@@ -53,9 +53,7 @@ def _allreduces(expect_shared):
     inputs = [[rank_input(200 + i, r, s, torch.float32) for i, s in enumerate(shapes)] for r in range(size)]
     mine = [t.clone() for t in inputs[rank]]
     hvd.grouped_allreduce_(mine, op=hvd.Sum, name="group")
-    for i, t in enumerate(mine):
-        assert_close(t, reduce_reference([inputs[r][i] for r in range(size)], hvd.Sum), torch.float32,
-                     f"grouped tensor {i} on rank {rank}")
+    assert_members_close(mine, inputs, hvd.Sum, torch.float32, f"grouped on rank {rank}")
     # fused straight into the segment (Note [Fusing straight into shared memory]): members that
     # straddle chunk boundaries, scaling applied once per element, out of place (the inputs
     # stay as they were), integer averages, and a non-contiguous member (the fusion-buffer path)
@@ -68,9 +66,8 @@ def _allreduces(expect_shared):
         before = [t.clone() for t in group[rank]]
         got = hvd.grouped_allreduce(group[rank], op=op, name=f"pieces.{dtype}", prescale_factor=pre,
                                     postscale_factor=post)
+        assert_members_close(got, group, op, dtype, f"{dtype} pieces on rank {rank}", pre, post)
         for i in range(len(sizes)):
-            want = reduce_reference([group[r][i] for r in range(size)], op, pre, post)
-            assert_close(got[i], want, dtype, f"{dtype} pieces member {i} on rank {rank}")
             assert torch.equal(group[rank][i], before[i]), "an out-of-place allreduce changed its input"
     wide = [rank_input(600, r, (40, 30), torch.float32) for r in range(size)]
     dense = [rank_input(601, r, (1000,), torch.float32) for r in range(size)]
@@ -87,9 +84,7 @@ def _allreduces(expect_shared):
         assert all(t.is_contiguous() == (rank == 0) for t in mine)
         got = hvd.grouped_allreduce(mine, op=op, name=f"layouts.{op}", prescale_factor=pre,
                                     postscale_factor=post)
-        for i in range(2):
-            want = reduce_reference([base[r][i] for r in range(size)], op, pre, post)
-            assert_close(got[i], want, torch.float32, f"mixed layouts, op {op}, member {i} on rank {rank}")
+        assert_members_close(got, base, op, torch.float32, f"mixed layouts, op {op} on rank {rank}", pre, post)
         single = base[rank][0].clone() if rank == 0 else base[rank][0].t().contiguous().t()
         got = hvd.allreduce(single, op=op, name=f"layouts.one.{op}", prescale_factor=pre, postscale_factor=post)
         want = reduce_reference([base[r][0] for r in range(size)], op, pre, post)
@@ -103,9 +98,7 @@ def _allreduces(expect_shared):
     mine = [t.clone() for t in inputs[rank]]
     for h in [hvd.allreduce_async_(t, op=hvd.Average, name=f"async.{i}") for i, t in enumerate(mine)]:
         hvd.synchronize(h)
-    for i, t in enumerate(mine):
-        assert_close(t, reduce_reference([inputs[r][i] for r in range(size)], hvd.Average), torch.float32,
-                     f"async tensor {i} on rank {rank}")
+    assert_members_close(mine, inputs, hvd.Average, torch.float32, f"async on rank {rank}")
     # a first round too large for a control slot (1500 new requests with long names, well over
     # 64 KB) is exchanged by Gloo instead (Note [Control exchange through shared memory])
     many = [torch.full((3,), float(rank + 1) * (i % 5 + 1)) for i in range(1500)]
@@ -159,10 +152,8 @@ def test_rank_killed_inside_the_channel_fails_the_others_naming_it():
     size, victim = 3, 2
     job = Job(size, __name__, "_victim_or_survivor", victim,
               rank_env_extra={victim: {"HVDLITE_TEST_SHM_DELAY_MS": "1000"}})
-    deadline = time.monotonic() + 60
-    while any("READY" not in job.output(r) for r in range(size)):
-        assert time.monotonic() < deadline, "the ranks never got ready"
-        time.sleep(0.05)
+    for rank in range(size):
+        job.wait_for_output(rank, "READY", timeout=60)
     # the victim's first allreduce paused 1 s inside the channel; its second does too
     time.sleep(0.5)
     killed_at = time.time()
