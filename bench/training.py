@@ -91,23 +91,29 @@ class Trainer:
                 self.step()
         return run
 
-    def phases(self):
-        """One step split into forward / backward / synchronize / step, in seconds."""
-        t0 = time.perf_counter()
+    def timestamps(self):
+        """One step; its phase boundaries (time.monotonic_ns, comparable across the ranks of a
+        host): start, forward done, backward done, synchronized (= backward done where the
+        exchange is inside backward), step done."""
+        t0 = time.monotonic_ns()
         self.optimizer.zero_grad()
         out = self.loss(self.model(self.x), self.y)
-        t1 = time.perf_counter()
+        t1 = time.monotonic_ns()
         out.backward()
-        t2 = time.perf_counter()
+        t2 = time.monotonic_ns()
         if isinstance(self.optimizer, hvd.DistributedOptimizer):
             self.optimizer.synchronize()
-            t3 = time.perf_counter()
+            t3 = time.monotonic_ns()
             with self.optimizer.skip_synchronize():
                 self.optimizer.step()
         else:
             t3 = t2
             self.optimizer.step()
-        t4 = time.perf_counter()
+        return t0, t1, t2, t3, time.monotonic_ns()
+
+    def phases(self):
+        """One step split into forward / backward / synchronize / step, in seconds."""
+        t0, t1, t2, t3, t4 = (t * 1e-9 for t in self.timestamps())
         return {"forward": t1 - t0, "backward": t2 - t1, "synchronize": t3 - t2, "step": t4 - t3}
 
     def parameters(self):

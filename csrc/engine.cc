@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <pthread.h>
 #include <sys/prctl.h>
 
 #include <algorithm>
@@ -56,6 +57,7 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
     executor_.UseSharedMemory(shm_.get());
     channel_.UseSharedMemory(shm_.get());  // Note [Control exchange through shared memory]
   }
+  if (shm_) shm_->YieldWhile(queue_.waiting());  // Note [Yield only while a caller waits]
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
   }
@@ -211,6 +213,8 @@ void Engine::Loop() {
   // The pauses of Note [Cycle policy] are tens of microseconds; the default timer slack
   // (50 us) would more than double them.
   prctl(PR_SET_TIMERSLACK, 1000UL /* ns */);
+  // Named for top -H, perf and bench/step_profile.py (at most 15 characters).
+  pthread_setname_np(pthread_self(), "hvdlite-engine");
   auto last_round = Clock::now() - std::chrono::hours(1);
   auto last_busy = Clock::now();
   auto backoff = Millis(0.1);

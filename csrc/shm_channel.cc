@@ -216,8 +216,10 @@ void ShmChannel::Wait(uint64_t target) {
         Relax();
         continue;
       }
-      if (const auto waited = Clock::now() - start; waited < kYield) {
-        if (waited >= kSpin) sched_yield();
+      if (const auto waited = Clock::now() - start; waited < kSpin) {
+        continue;
+      } else if (waited < kYield && (callers_waiting_ == nullptr || callers_waiting_->load() > 0)) {
+        sched_yield();  // Note [Yield only while a caller waits]
         continue;
       }
       header_->sleepers.fetch_add(1);

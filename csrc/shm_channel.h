@@ -21,19 +21,30 @@
 // chunk k. Every rank sums in the same order (rank 0's value first), and every rank copies the
 // same result area, so every rank receives bit-identical results.
 //
-// A barrier wait spins briefly (20 us), then keeps spinning but calls sched_yield every 64 spins
-// until 500 us have passed since the wait began (one budget for the whole wait, however many
-// peers it waits for), then sleeps on a futex in the segment. The yielding phase is there because waking a sleeper is slow where
-// cores idle: on the 2-core reference VM a barrier whose peer was already there took 100-460 us
-// when the waiter had gone to sleep (its idle vCPU had to be woken), 1-8 us with yielding
-// (grouped 200 x 4 KB: 1.45 -> 1.13-1.36 ms). sched_yield hands the core to any thread that
-// wants it (the rank's own compute), so the wait costs little CPU when the core is busy; the
-// training steps of bench/training.py did not get slower. A sleeping rank wakes every
+// A barrier wait spins briefly (20 us); then, while a caller of this rank waits on a handle
+// (Note [Yield only while a caller waits]), it keeps spinning but calls sched_yield every 64
+// spins until 500 us have passed since the wait began (one budget for the whole wait, however
+// many peers it waits for); then, or at once when no caller waits, it sleeps on a futex in the
+// segment. The yielding phase is there because waking a sleeper is slow where cores idle: on
+// the 2-core reference VM a barrier whose peer was already there took 100-460 us when the
+// waiter had gone to sleep (its idle vCPU had to be woken), 1-8 us with yielding (grouped
+// 200 x 4 KB: 1.45 -> 1.13-1.36 ms). A sleeping rank wakes every
 // kCheckMs to check that the ranks it waits for are alive (their pids, which all live on this
 // host); a rank that exited makes this one throw naming it (the engine then reports a rank
 // failure, as for a broken Gloo connection). A rank that fails inside the channel sets the
 // abort word, so the others throw at once instead of waiting. A rank that is alive but never
 // arrives is given the process-group timeout, as Gloo would.
+//
+// Note [Yield only while a caller waits]
+// Yielding is cheap only when the core has nothing better to run. A round that overlaps the
+// backward pass (nobody waits on a handle yet) shares the core with the rank's own compute,
+// and there sched_yield often gives nothing back: a scheduler that keeps fair time (EEVDF)
+// can pick the waiting thread again, whose thread slept while the compute ran, so the compute
+// stays preempted for the whole wait. Measured on SmallCNN (bench/step_profile.py): the
+// gradient push that started the mid-backward round left the compute thread runnable but not
+// running for 0.9-3.8 ms in about a third of the steps. So the engine passes the count of
+// waiting callers (TensorQueue::waiting), and a wait yields only while it is above zero: when
+// a caller blocks, its core is free and the peer's arrival is what everyone waits for.
 //
 // Note [Control exchange through shared memory]
 // The same segment also carries the negotiation round (ControlChannel::Exchange) of an engine
@@ -79,6 +90,10 @@ class ShmChannel {
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
+
+  // Note [Yield only while a caller waits]: `count` (owned by the caller, outliving this
+  // channel) > 0 lets barrier waits yield before they sleep; null: always yield (tests, tools).
+  void YieldWhile(const std::atomic<int>* count) { callers_waiting_ = count; }
 
   // Every rank's bytes (Note [Control exchange through shared memory]). False when some rank's
   // message is larger than a slot: `lengths` then holds every rank's length for the fallback.
@@ -161,6 +176,7 @@ class ShmChannel {
   size_t bytes_ = 0;
   Header* header_ = nullptr;
   uint64_t barriers_ = 0;  // barriers this rank has completed
+  const std::atomic<int>* callers_waiting_ = nullptr;  // Note [Yield only while a caller waits]
   int bank_ = 0;
   int control_bank_ = 0;
   int64_t test_delay_ms_ = 0;  // HVDLITE_TEST_SHM_DELAY_MS, a test hook (see the constructor)

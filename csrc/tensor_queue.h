@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -64,6 +65,9 @@ class TensorQueue {
   // these pauses (a burst of 200 pushes would cost 200 wake-ups of the background thread).
   void AddWaiter();
   void RemoveWaiter();
+  // The same count, readable without the lock (Note [Yield only while a caller waits] in
+  // shm_channel.h).
+  const std::atomic<int>* waiting() const { return &waiting_; }
   // The background thread's one way to hold back: sleeps until `deadline` or Wake(), and ends
   // at once while a caller waits. With `bytes` > 0 (Note [Gathering by size]) it also ends
   // when the requests not yet taken add up to `bytes` (the push that crosses it wakes it); if
@@ -80,6 +84,7 @@ class TensorQueue {
   std::condition_variable pause_cv_;
   bool woken_ = false;
   int waiters_ = 0;
+  std::atomic<int> waiting_{0};  // waiters_, for readers without the lock
   int64_t new_bytes_ = 0;   // of the requests not yet taken
   int64_t hold_bytes_ = 0;  // > 0 while Pause waits for that many
   Status closed_;

@@ -134,6 +134,41 @@ def test_switched_off_with_hvdlite_shared_memory_0():
                          env={"HVDLITE_SHARED_MEMORY": "0"}))
 
 
+def _rounds_nobody_waits_for():
+    """Rounds that run while no caller waits on a handle: their barrier waits go to sleep at
+    once instead of yielding (Note [Yield only while a caller waits]); ranks arrive skewed, so
+    the waits really do sleep, and the results must still be exact."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    assert _state.current().sets[0].engine.shared_memory
+    inputs = [[rank_input(500 + i, r, (CHUNK // 4 * 2 + 11 * i,), torch.float32) for i in range(3)]
+              for r in range(size)]
+    mine = [t.clone() for t in inputs[rank]]
+    handles = []
+    for i, t in enumerate(mine):
+        time.sleep(0.03 * rank)  # later ranks arrive later: the earlier ones sleep in the channel
+        handles.append(hvd.allreduce_async_(t, op=hvd.Sum, name=f"unwaited.{i}"))
+    deadline = time.time() + 30
+    while not all(hvd.poll(h) for h in handles):  # completed without anyone waiting on them
+        assert time.time() < deadline, f"rank {rank}: rounds nobody waits for did not complete"
+        time.sleep(0.01)
+    for h in handles:
+        hvd.synchronize(h)
+    assert_members_close(mine, inputs, hvd.Sum, torch.float32, f"unwaited rounds on rank {rank}")
+    names = set()
+    for path in glob.glob("/proc/self/task/*/comm"):
+        with open(path) as f:
+            names.add(f.read().strip())
+    assert "hvdlite-engine" in names, f"the engine thread is not named (threads: {sorted(names)})"
+    hvd.shutdown()
+    return True
+
+
+def test_rounds_that_nobody_waits_for_sleep_in_the_channel_and_stay_exact():
+    assert all(run_ranks(3, __name__, "_rounds_nobody_waits_for", timeout=120))
+    assert not _leftover_segments()
+
+
 def _victim_or_survivor(victim):
     hvd.init()
     assert _state.current().sets[0].engine.shared_memory
