@@ -14,13 +14,15 @@ Needs matplotlib, a dependency of the benchmarks only (not of hvdlite, not in se
 
 import argparse
 import json
+import os
 import sys
 
 MEETS, MISSES, PLAIN, BASE, TARGET = "#2e7d32", "#c62828", "#90a4ae", "#546e7a", "#111111"
 
 
 def load(paths):
-    """{case title: case dict}, from every file in order (a later file wins a repeated title)."""
+    """{case title: case dict}, from every file in order; a title seen in an earlier file gets
+    the later file's name appended (the two-host runs repeat the training titles)."""
     cases = {}
     for path in paths:
         with open(path) as f:
@@ -31,6 +33,8 @@ def load(paths):
             missing = {"baseline", "ratio", "median_ms"} - set(case)
             if missing:
                 raise SystemExit(f"{path}: case '{title}' lacks {', '.join(sorted(missing))}")
+            if title in cases:
+                title = f"{title} [{os.path.splitext(os.path.basename(path))[0]}]"
             cases[title] = case
     if not cases:
         raise SystemExit("no cases in " + ", ".join(paths))
