@@ -34,7 +34,10 @@ def load(paths):
             if missing:
                 raise SystemExit(f"{path}: case '{title}' lacks {', '.join(sorted(missing))}")
             if title in cases:
-                title = f"{title} [{os.path.splitext(os.path.basename(path))[0]}]"
+                named = f"{title} [{os.path.splitext(os.path.basename(path))[0]}]"
+                title, n = named, 2
+                while title in cases:  # the same file twice, or two files of one name
+                    title, n = f"{named} ({n})", n + 1
             cases[title] = case
     if not cases:
         raise SystemExit("no cases in " + ", ".join(paths))

@@ -19,8 +19,14 @@ method's step splits into:
 For hvdlite the blocked part is split further from the phase times: waiting for the later
 rank's backward (the ranks' skew, which synchronous data parallelism pays every step) and the
 tail after it (the last reduction, wake-ups). Helper threads' CPU per step is listed by name.
-The "excess" column is each part minus the no-communication step's, per rank and averaged.
-Step times use the bench's estimator (per round, the slowest rank's time; median over rounds).
+The "excess" column is each part minus the no-communication step's, per rank and averaged
+(for the two parts of synchronize, which that step lacks, the part itself). Step times use the
+bench's estimator (per round, the slowest rank's time; median over rounds).
+
+The ranks must share a host: phase times are compared across ranks (CLOCK_MONOTONIC). A thread's
+CPU counts only if it lives through a whole round (a thread that ends inside one drops out of
+that round's sums), which holds for the threads that matter here: the ranks' main threads,
+hvdlite's engine and Gloo's loops.
 """
 
 import argparse
@@ -182,6 +188,8 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="write the analysis to this file (rank 0)")
     args = parser.parse_args(argv)
     rank, _ = _common.setup()
+    if hvd.local_size() != hvd.size():
+        raise SystemExit("bench/step_profile.py compares clocks across ranks: run every rank on one host")
     work = training.workload(args.model, args.batch_size, rank)
     torch.manual_seed(0)
     trainers = training.build_trainers(work, work.build().state_dict(), local=True)

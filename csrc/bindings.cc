@@ -253,6 +253,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("shared_memory", &Engine::shared_memory)
       .def_property_readonly("hierarchical", &Engine::hierarchical)
+      .def_property_readonly("shm_waits", &Engine::shm_waits)
       .def_property_readonly("fusion_threshold_bytes",
                              [](const Engine& e) { return e.config().fusion_threshold_bytes; })
       .def_property_readonly("cycle_time_ms", [](const Engine& e) { return e.config().cycle_time_ms; });

@@ -64,7 +64,11 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
   thread_ = std::thread([this] { Loop(); });
 }
 
-Engine::~Engine() { Shutdown(); }
+Engine::~Engine() {
+  Shutdown();
+  // The channel may outlive this engine (Python holds it too); the count it reads does not.
+  if (shm_) shm_->YieldWhile(nullptr);
+}
 
 Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* handles) {
   if (args.empty()) return Status(StatusCode::kInvalidArgument, "nothing to enqueue");

@@ -55,6 +55,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "autotune.h"
@@ -119,6 +120,10 @@ class Engine {
   int size() const { return size_; }
   const Config& config() const { return config_; }
   bool shared_memory() const { return shm_ != nullptr && !hierarchical_; }
+  // (barrier waits that yielded, that slept) in this engine's shared-memory channel (tests).
+  std::pair<uint64_t, uint64_t> shm_waits() const {
+    return shm_ ? std::make_pair(shm_->waits_yielded(), shm_->waits_slept()) : std::make_pair(uint64_t{0}, uint64_t{0});
+  }
   bool hierarchical() const { return hierarchical_; }
 
  private:

@@ -204,6 +204,7 @@ void ShmChannel::Wait(uint64_t target) {
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds_));
   auto last_check = start;
+  bool yielded = false, slept = false;
   for (int r = 0; r < size_; ++r) {
     std::atomic<uint64_t>& arrived = Arrived(r);
     unsigned spins = 0;
@@ -220,8 +221,12 @@ void ShmChannel::Wait(uint64_t target) {
         continue;
       } else if (waited < kYield && (callers_waiting_ == nullptr || callers_waiting_->load() > 0)) {
         sched_yield();  // Note [Yield only while a caller waits]
+        if (!yielded) ++waits_yielded_;
+        yielded = true;
         continue;
       }
+      if (!slept) ++waits_slept_;
+      slept = true;
       header_->sleepers.fetch_add(1);
       const uint32_t seen = header_->futex.load();
       if (arrived.load() < target && header_->abort.load() == 0) FutexWait(&header_->futex, seen, kCheckMs);

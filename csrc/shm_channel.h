@@ -39,8 +39,8 @@
 // Yielding is cheap only when the core has nothing better to run. A round that overlaps the
 // backward pass (nobody waits on a handle yet) shares the core with the rank's own compute,
 // and there sched_yield often gives nothing back: a scheduler that keeps fair time (EEVDF)
-// can pick the waiting thread again, whose thread slept while the compute ran, so the compute
-// stays preempted for the whole wait. Measured on SmallCNN (bench/step_profile.py): the
+// can pick the waiting thread again, since it slept while the compute ran and so is owed
+// time, and the compute stays preempted for the whole wait. Measured on SmallCNN (bench/step_profile.py): the
 // gradient push that started the mid-backward round left the compute thread runnable but not
 // running for 0.9-3.8 ms in about a third of the steps. So the engine passes the count of
 // waiting callers (TensorQueue::waiting), and a wait yields only while it is above zero: when
@@ -91,9 +91,15 @@ class ShmChannel {
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
-  // Note [Yield only while a caller waits]: `count` (owned by the caller, outliving this
-  // channel) > 0 lets barrier waits yield before they sleep; null: always yield (tests, tools).
+  // Note [Yield only while a caller waits]: `count` > 0 lets barrier waits yield before they
+  // sleep; null: always yield. Read only inside barrier waits, so by the thread that runs the
+  // collectives: whoever passes it keeps it alive while that thread runs (the engine sets it
+  // before starting its thread and clears it after joining it).
   void YieldWhile(const std::atomic<int>* count) { callers_waiting_ = count; }
+  // Barrier waits that yielded and that slept at least once, since the channel opened (for
+  // tests of that Note; any thread may read them).
+  uint64_t waits_yielded() const { return waits_yielded_.load(); }
+  uint64_t waits_slept() const { return waits_slept_.load(); }
 
   // Every rank's bytes (Note [Control exchange through shared memory]). False when some rank's
   // message is larger than a slot: `lengths` then holds every rank's length for the fallback.
@@ -177,6 +183,8 @@ class ShmChannel {
   Header* header_ = nullptr;
   uint64_t barriers_ = 0;  // barriers this rank has completed
   const std::atomic<int>* callers_waiting_ = nullptr;  // Note [Yield only while a caller waits]
+  std::atomic<uint64_t> waits_yielded_{0};
+  std::atomic<uint64_t> waits_slept_{0};
   int bank_ = 0;
   int control_bank_ = 0;
   int64_t test_delay_ms_ = 0;  // HVDLITE_TEST_SHM_DELAY_MS, a test hook (see the constructor)

@@ -136,14 +136,17 @@ def test_switched_off_with_hvdlite_shared_memory_0():
 
 def _rounds_nobody_waits_for():
     """Rounds that run while no caller waits on a handle: their barrier waits go to sleep at
-    once instead of yielding (Note [Yield only while a caller waits]); ranks arrive skewed, so
-    the waits really do sleep, and the results must still be exact."""
+    once instead of yielding (Note [Yield only while a caller waits]). Ranks arrive skewed, so
+    the first rank's waits really do sleep; no wait yields (the channel counts both); and the
+    results must still be exact."""
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert _state.current().sets[0].engine.shared_memory
+    engine = _state.current().sets[0].engine
     inputs = [[rank_input(500 + i, r, (CHUNK // 4 * 2 + 11 * i,), torch.float32) for i in range(3)]
               for r in range(size)]
     mine = [t.clone() for t in inputs[rank]]
+    yielded, slept = engine.shm_waits
     handles = []
     for i, t in enumerate(mine):
         time.sleep(0.03 * rank)  # later ranks arrive later: the earlier ones sleep in the channel
@@ -152,14 +155,20 @@ def _rounds_nobody_waits_for():
     while not all(hvd.poll(h) for h in handles):  # completed without anyone waiting on them
         assert time.time() < deadline, f"rank {rank}: rounds nobody waits for did not complete"
         time.sleep(0.01)
-    for h in handles:
-        hvd.synchronize(h)
-    assert_members_close(mine, inputs, hvd.Sum, torch.float32, f"unwaited rounds on rank {rank}")
+    now_yielded, now_slept = engine.shm_waits
+    assert now_yielded == yielded, f"rank {rank}: {now_yielded - yielded} waits yielded with no caller waiting"
+    if rank == 0:  # first at every barrier, by 30 ms or more
+        assert now_slept > slept, "rank 0 never slept in the channel while the later ranks were away"
     names = set()
     for path in glob.glob("/proc/self/task/*/comm"):
         with open(path) as f:
             names.add(f.read().strip())
     assert "hvdlite-engine" in names, f"the engine thread is not named (threads: {sorted(names)})"
+    # no rank may shut down (which stops every rank's engine thread) before all have looked
+    hvd.allreduce(torch.zeros(1), name="every rank has looked")
+    for h in handles:
+        hvd.synchronize(h)
+    assert_members_close(mine, inputs, hvd.Sum, torch.float32, f"unwaited rounds on rank {rank}")
     hvd.shutdown()
     return True
 
