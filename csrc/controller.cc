@@ -161,8 +161,8 @@ Controller::Controller(int size, double stall_check_seconds, double stall_shutdo
 
 bool Controller::InStep(const std::vector<RankMessage>& messages) const {
   // Note [Rounds in step]
-  if (!in_step_enabled_ || !pending_.empty() || !groups_.empty() || last_joined_ >= 0 ||
-      std::find(joined_.begin(), joined_.end(), true) != joined_.end()) {
+  // last_joined_ >= 0 exactly while some rank has joined (both are set and cleared together)
+  if (!in_step_enabled_ || !pending_.empty() || !groups_.empty() || last_joined_ >= 0) {
     return false;
   }
   const std::vector<Request>& first = messages.front().requests;

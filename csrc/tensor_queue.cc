@@ -86,14 +86,12 @@ void TensorQueue::Wake() {
 void TensorQueue::AddWaiter() {
   std::lock_guard<std::mutex> lock(mu_);
   ++waiters_;
-  waiting_.store(waiters_);
   pause_cv_.notify_one();
 }
 
 void TensorQueue::RemoveWaiter() {
   std::lock_guard<std::mutex> lock(mu_);
   --waiters_;
-  waiting_.store(waiters_);
 }
 
 TensorQueue::PauseEnd TensorQueue::Pause(std::chrono::steady_clock::time_point deadline,

@@ -65,9 +65,9 @@ class TensorQueue {
   // these pauses (a burst of 200 pushes would cost 200 wake-ups of the background thread).
   void AddWaiter();
   void RemoveWaiter();
-  // The same count, readable without the lock (Note [Yield only while a caller waits] in
-  // shm_channel.h).
-  const std::atomic<int>* waiting() const { return &waiting_; }
+  // The count of waiting callers, also read without the lock (Note [Yield only while a caller
+  // waits] in shm_channel.h).
+  const std::atomic<int>* waiting() const { return &waiters_; }
   // The background thread's one way to hold back: sleeps until `deadline` or Wake(), and ends
   // at once while a caller waits. With `bytes` > 0 (Note [Gathering by size]) it also ends
   // when the requests not yet taken add up to `bytes` (the push that crosses it wakes it); if
@@ -83,8 +83,7 @@ class TensorQueue {
   std::condition_variable cv_;
   std::condition_variable pause_cv_;
   bool woken_ = false;
-  int waiters_ = 0;
-  std::atomic<int> waiting_{0};  // waiters_, for readers without the lock
+  std::atomic<int> waiters_{0};  // changed under mu_ (the pauses' predicate reads it)
   int64_t new_bytes_ = 0;   // of the requests not yet taken
   int64_t hold_bytes_ = 0;  // > 0 while Pause waits for that many
   Status closed_;
