@@ -10,6 +10,8 @@ import dataclasses
 import os
 import re
 
+from ._place import Place
+
 DEFAULT_PORT = 29500
 
 
@@ -18,14 +20,14 @@ class LaunchEnvironmentError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Topology:
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    source: str  # "hvdliterun", "torchrun", "mpi", "slurm" or "single"
+class Topology(Place):
+    """A rank's place (Note [Cross ranks] in _place.py) and the launcher it came from."""
+
+    source: str  # "hvdliterun", "torchrun", "mpi", "slurm", "single" or "torch.distributed"
+    # The host as the launcher knows it, where it says ("" elsewhere: the machine's name is
+    # used). Note [Cross ranks] groups ranks by it: hvdliterun's host name, torchrun's node
+    # rank, SLURM's node id.
+    node: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,8 @@ def _opt_int(env, name, default):
 
 
 def _cross(rank, size, local_rank, local_size, node_rank=None, nodes=None):
+    # Provisional: init() replaces the cross rank and size by the rule of Note [Cross ranks]
+    # (_place.py) once it has read every rank's host, which an environment cannot tell.
     cross_size = nodes if nodes is not None else max(1, -(-size // max(local_size, 1)))
     cross_rank = node_rank if node_rank is not None else rank // max(local_size, 1)
     return cross_rank, cross_size
@@ -158,7 +162,8 @@ def detect(env=None):
         local_size = _opt_int(env, "HVDLITE_LOCAL_SIZE", size)
         cross_rank = _opt_int(env, "HVDLITE_CROSS_RANK", 0)
         cross_size = _opt_int(env, "HVDLITE_CROSS_SIZE", 1)
-        topology = Topology(rank, size, local_rank, local_size, cross_rank, cross_size, "hvdliterun")
+        topology = Topology(rank, size, local_rank, local_size, cross_rank, cross_size, "hvdliterun",
+                            env.get("HVDLITE_HOSTNAME", ""))
         if "HVDLITE_RENDEZVOUS_ADDR" not in env:
             raise LaunchEnvironmentError("hvdlite.init(): HVDLITE_RANK is set but HVDLITE_RENDEZVOUS_ADDR is not")
         rendezvous = Rendezvous(env["HVDLITE_RENDEZVOUS_ADDR"], _int(env, "HVDLITE_RENDEZVOUS_PORT", 1),
@@ -171,7 +176,8 @@ def detect(env=None):
         local_size = _opt_int(env, "LOCAL_WORLD_SIZE", size)
         node_rank = _opt_int(env, "GROUP_RANK", None) if "GROUP_RANK" in env else None
         cross_rank, cross_size = _cross(rank, size, local_rank, local_size, node_rank)
-        topology = Topology(rank, size, local_rank, local_size, cross_rank, cross_size, "torchrun")
+        topology = Topology(rank, size, local_rank, local_size, cross_rank, cross_size, "torchrun",
+                            "" if node_rank is None else f"torchrun node {node_rank}")
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         rendezvous = Rendezvous(env.get("MASTER_ADDR", "127.0.0.1"), _opt_int(env, "MASTER_PORT", DEFAULT_PORT),
                                 host_store=(rank == 0 and not agent_store))
@@ -207,7 +213,7 @@ def detect(env=None):
         local_rank = _opt_int(env, "SLURM_LOCALID", 0)
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
         local_size = _tasks_per_node(per_node, node) or max(1, size // max(nodes, 1))
-        topology = Topology(rank, size, local_rank, local_size, node, nodes, "slurm")
+        topology = Topology(rank, size, local_rank, local_size, node, nodes, "slurm", f"slurm node {node}")
         addr = env.get("MASTER_ADDR") or first_slurm_host(
             env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "") or "127.0.0.1"
         return _check(topology), Rendezvous(addr, _opt_int(env, "MASTER_PORT", slurm_port(env)),

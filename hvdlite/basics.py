@@ -24,7 +24,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import _elastic_worker, _environment, _failure, _groups, _liveness, _settings, _state
+from . import _elastic_worker, _environment, _failure, _groups, _liveness, _place, _settings, _state
+from .exceptions import HvdliteTypeError, HvdliteValueError
 
 
 _RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
@@ -68,7 +69,7 @@ def _rendezvous(topology, rendezvous, generation):
     if dist.is_initialized():
         # The user's own init_process_group: build ours beside it, from the same store.
         if dist.get_world_size() != topology.size:
-            raise ValueError(
+            raise HvdliteValueError(
                 f"hvdlite.init(): torch.distributed was initialized with world size "
                 f"{dist.get_world_size()}, but the environment ({topology.source}) says {topology.size}")
         return dist.distributed_c10d._get_default_store(), prefix, False
@@ -77,13 +78,21 @@ def _rendezvous(topology, rendezvous, generation):
     return _store_for(rendezvous, topology), prefix, _is_loopback(rendezvous.addr)
 
 
-def _topology_from_hosts(topology, hosts):
-    """Local and cross ranks from the host each rank runs on (hosts in order of first rank)."""
-    order = list(dict.fromkeys(hosts))
-    mine = hosts[topology.rank]
-    return dataclasses.replace(
-        topology, local_rank=hosts[:topology.rank].count(mine), local_size=hosts.count(mine),
-        cross_rank=order.index(mine), cross_size=len(order))
+def _place_record(topology):
+    """What every rank publishes about its place: its host as its launcher knows it (the
+    machine's name where the launcher does not say) and its local rank."""
+    return {"place_host": topology.node or socket.gethostname(), "local_rank": topology.local_rank}
+
+
+def _topology_from_peers(topology, peers):
+    """Local and cross ranks by the one rule (Note [Cross ranks] in _place.py), from every
+    rank's published host and local rank; a launcher's environment can only guess the cross
+    ranks of uneven hosts. Under a plain torch.distributed job local ranks are counted too."""
+    hosts = [p["place_host"] for p in peers]
+    counted = topology.source == "torch.distributed"
+    place = _place.places(hosts, None if counted else [p["local_rank"] for p in peers])[topology.rank]
+    return dataclasses.replace(topology, local_rank=place.local_rank, local_size=place.local_size,
+                               cross_rank=place.cross_rank, cross_size=place.cross_size)
 
 
 def init(comm=None, process_sets=None):
@@ -100,7 +109,7 @@ def init(comm=None, process_sets=None):
     """
     global _atexit_registered
     if comm is not None and not isinstance(comm, (list, tuple, range)):
-        raise ValueError("hvdlite.init(): comm= (an MPI communicator) is not supported; "
+        raise HvdliteValueError("hvdlite.init(): comm= (an MPI communicator) is not supported; "
                          "hvdlite reads the launcher's environment instead")
     if process_sets == "dynamic":
         process_sets = None
@@ -119,15 +128,15 @@ def init(comm=None, process_sets=None):
         store, prefix, loopback = _rendezvous(topology, rendezvous, generation)
         # Every rank's record (host, pid, build, settings); reading them all is a rendezvous,
         # and every rank checks the same records, so a refusal happens on every rank at once.
-        _liveness.publish(store, prefix, topology.rank, _settings.own_record(topology.rank))
+        _liveness.publish(store, prefix, topology.rank,
+                          {**_settings.own_record(topology.rank), **_place_record(topology)})
         peers = _liveness.read(store, prefix, topology.size)
         _settings.check_records(peers)
         settings = _settings.in_force(peers, topology.rank)
         engine, groups = _groups.start_engine((store, prefix, loopback, settings), "global",
                                               topology.rank, topology.size, peers)
         sets = {0: _state.SetRuntime(list(range(topology.size)), engine, groups, topology.rank)}
-        if topology.source == "torch.distributed":
-            topology = _topology_from_hosts(topology, [p["host"] for p in peers])
+        topology = _topology_from_peers(topology, peers)
         hosts = [p["host"] for p in peers]
         homogeneous = len({hosts.count(h) for h in hosts}) == 1
         state = _state.State(topology=topology, generation=generation, store=store, prefix=prefix,
@@ -145,7 +154,7 @@ def init(comm=None, process_sets=None):
     if comm is not None and sorted(int(r) for r in comm) != list(range(size())):
         ranks, job = sorted(int(r) for r in comm), size()
         shutdown()
-        raise ValueError(f"hvdlite.init(comm={ranks}): hvdlite runs on every rank of the job "
+        raise HvdliteValueError(f"hvdlite.init(comm={ranks}): hvdlite runs on every rank of the job "
                          f"({job} ranks); for collectives among a subset, use "
                          "hvdlite.add_process_set(...)")
     if process_sets:
@@ -200,7 +209,7 @@ def start_timeline(file_path, mark_cycles=False):
     one that was being written. Negotiation rounds are always marked, so ``mark_cycles`` only
     exists for horovod.torch's signature. Returns once the engine writes the new file."""
     if not _current().engine.set_timeline(str(file_path)):
-        raise ValueError("start_timeline: hvdlite's engine has stopped")
+        raise HvdliteValueError("start_timeline: hvdlite's engine has stopped")
 
 
 def stop_timeline():

@@ -8,6 +8,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from hvdlite._place import Place, places
+
 from .hosts import Host, HostSpecError, parse_host_list
 
 
@@ -61,18 +63,6 @@ class Blacklist:
         return self.until.get(host, float("-inf")) > now
 
 
-@dataclass(frozen=True)
-class Place:
-    """A worker's place in one generation (what the worker's hvd.init() gets)."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-
-
 def plan_generation(survivors: Sequence[Tuple[int, str]], newcomers: Sequence[Tuple[int, str]],
                     max_np: Optional[int]) -> Tuple[Dict[int, Place], List[int]]:
     """Ranks for the next generation.
@@ -90,13 +80,6 @@ def plan_generation(survivors: Sequence[Tuple[int, str]], newcomers: Sequence[Tu
         ordered, left_out = ordered[:max_np], [w for w, _ in ordered[max_np:]]
     else:
         left_out = []
-    hosts = [h for _, h in ordered]
-    local_ranks = [hosts[:i].count(h) for i, h in enumerate(hosts)]
-    by_local: Dict[int, List[str]] = {}
-    for host, local in zip(hosts, local_ranks):
-        by_local.setdefault(local, []).append(host)
-    places = {}
-    for rank, ((worker, host), local) in enumerate(zip(ordered, local_ranks)):
-        peers = by_local[local]
-        places[worker] = Place(rank, len(ordered), local, hosts.count(host), peers.index(host), len(peers))
-    return places, left_out
+    placed = places([h for _, h in ordered])  # Note [Cross ranks] in hvdlite/_place.py
+    by_worker = {worker: place for (worker, _), place in zip(ordered, placed)}
+    return by_worker, left_out

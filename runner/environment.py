@@ -7,14 +7,14 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Mapping
 
+from hvdlite._place import PLACE_VARIABLES, Place, environment
+
 from .hosts import SlotInfo
 
 # Set per rank; anything of the same name in the launcher's environment is replaced.
-CONTRACT_VARS = (
-    "HVDLITE_RANK", "HVDLITE_SIZE", "HVDLITE_LOCAL_RANK", "HVDLITE_LOCAL_SIZE",
-    "HVDLITE_CROSS_RANK", "HVDLITE_CROSS_SIZE", "HVDLITE_HOSTNAME",
+CONTRACT_VARS = PLACE_VARIABLES + (
     "HVDLITE_RENDEZVOUS_ADDR", "HVDLITE_RENDEZVOUS_PORT", "HVDLITE_RENDEZVOUS_SECRET",
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "MASTER_ADDR", "MASTER_PORT",
 )
 
 # Variables that describe the launching machine or session, not the job: never sent over ssh.
@@ -41,21 +41,13 @@ def rank_environment(base: Mapping[str, str], slot: SlotInfo, rdzv: Rendezvous,
     """`base` (the launcher's environment plus extras) with this rank's variables on top."""
     env = dict(base)
     env.update(core)
+    place = Place(slot.rank, slot.size, slot.local_rank, slot.local_size, slot.cross_rank,
+                  slot.cross_size)
+    env.update(environment(place, slot.hostname))
     env.update({
-        "HVDLITE_RANK": str(slot.rank),
-        "HVDLITE_SIZE": str(slot.size),
-        "HVDLITE_LOCAL_RANK": str(slot.local_rank),
-        "HVDLITE_LOCAL_SIZE": str(slot.local_size),
-        "HVDLITE_CROSS_RANK": str(slot.cross_rank),
-        "HVDLITE_CROSS_SIZE": str(slot.cross_size),
-        "HVDLITE_HOSTNAME": slot.hostname,
         "HVDLITE_RENDEZVOUS_ADDR": rdzv.addr,
         "HVDLITE_RENDEZVOUS_PORT": str(rdzv.port),
         "HVDLITE_RENDEZVOUS_SECRET": rdzv.secret,
-        "RANK": str(slot.rank),
-        "WORLD_SIZE": str(slot.size),
-        "LOCAL_RANK": str(slot.local_rank),
-        "LOCAL_WORLD_SIZE": str(slot.local_size),
         "MASTER_ADDR": rdzv.master_addr,
         "MASTER_PORT": str(rdzv.master_port),
     })

@@ -7,6 +7,8 @@ in the order the hosts were given: the first host's slots get ranks 0, 1, ..., t
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from hvdlite._place import places
+
 
 class HostSpecError(ValueError):
     """A host list or hostfile that cannot be parsed, or more ranks than slots."""
@@ -146,32 +148,12 @@ def assign_slots(hosts: Sequence[Host], np: Optional[int]) -> List[SlotInfo]:
         listing = ",".join(f"{h.name}:{h.slots}" for h in hosts)
         raise HostSpecError(f"{np} ranks requested but the hosts {listing} have only {total} slots")
 
-    # (host index, local rank) of each rank, host by host.
-    placed = []
-    for host_index, host in enumerate(hosts):
-        take = min(host.slots, np - len(placed))
-        placed.extend((host_index, local) for local in range(take))
-        if len(placed) == np:
+    names = []  # each rank's host, host by host
+    for host in hosts:
+        names.extend([host.name] * min(host.slots, np - len(names)))
+        if len(names) == np:
             break
-    local_sizes = {}
-    for host_index, _ in placed:
-        local_sizes[host_index] = local_sizes.get(host_index, 0) + 1
-
-    # Cross communicators group the ranks that share a local rank across hosts.
-    hosts_with_local = {}
-    for host_index, local in placed:
-        hosts_with_local.setdefault(local, []).append(host_index)
-
-    result = []
-    for rank, (host_index, local) in enumerate(placed):
-        peers = hosts_with_local[local]
-        result.append(SlotInfo(
-            hostname=hosts[host_index].name,
-            rank=rank,
-            size=np,
-            local_rank=local,
-            local_size=local_sizes[host_index],
-            cross_rank=peers.index(host_index),
-            cross_size=len(peers),
-        ))
-    return result
+    # Local and cross ranks by the one rule (Note [Cross ranks] in hvdlite/_place.py).
+    return [SlotInfo(hostname=name, rank=p.rank, size=p.size, local_rank=p.local_rank,
+                     local_size=p.local_size, cross_rank=p.cross_rank, cross_size=p.cross_size)
+            for name, p in zip(names, places(names))]

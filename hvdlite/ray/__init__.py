@@ -28,6 +28,7 @@ import time
 
 import ray
 
+from .. import _place
 from .._rendezvous_server import RendezvousServer, new_secret
 
 __all__ = ["RayExecutor", "RayWorkerError"]
@@ -77,15 +78,13 @@ class _Worker:
 
 def places(nodes):
     """Ranks for workers placed on `nodes` (one node id per worker): returns, per worker,
-    (rank, local_rank, local_size, cross_rank, cross_size), and the workers in rank order."""
+    (rank, local_rank, local_size, cross_rank, cross_size), and the workers in rank order
+    (Note [Cross ranks] in hvdlite/_place.py)."""
     order = list(dict.fromkeys(nodes))
     by_rank = sorted(range(len(nodes)), key=lambda w: (order.index(nodes[w]), w))
-    ranked = [nodes[w] for w in by_rank]
-    local = [ranked[:r].count(n) for r, n in enumerate(ranked)]
-    out = {}
-    for rank, w in enumerate(by_rank):
-        with_local = list(dict.fromkeys(n for n, lr in zip(ranked, local) if lr == local[rank]))
-        out[w] = (rank, local[rank], ranked.count(ranked[rank]), with_local.index(ranked[rank]), len(with_local))
+    placed = _place.places([nodes[w] for w in by_rank])
+    out = {w: (p.rank, p.local_rank, p.local_size, p.cross_rank, p.cross_size)
+           for w, p in zip(by_rank, placed)}
     return out, by_rank
 
 
@@ -158,11 +157,9 @@ class RayExecutor:
         setups = []
         for i, actor in enumerate(actors):
             rank, local_rank, local_size, cross_rank, cross_size = ranks[i]
+            place = _place.Place(rank, self.num_workers, local_rank, local_size, cross_rank, cross_size)
             env = {**self.env_vars, **(extra_env_vars or {}),
-                   "HVDLITE_RANK": str(rank), "HVDLITE_SIZE": str(self.num_workers),
-                   "HVDLITE_LOCAL_RANK": str(local_rank), "HVDLITE_LOCAL_SIZE": str(local_size),
-                   "HVDLITE_CROSS_RANK": str(cross_rank), "HVDLITE_CROSS_SIZE": str(cross_size),
-                   "HVDLITE_HOSTNAME": where[i]["host"], "HVDLITE_RENDEZVOUS_ADDR": addr,
+                   **_place.environment(place, where[i]["host"]), "HVDLITE_RENDEZVOUS_ADDR": addr,
                    "HVDLITE_RENDEZVOUS_PORT": str(self._server.port),
                    "HVDLITE_RENDEZVOUS_SECRET": self._server.secret}
             setups.append(actor.setup.remote(env, executable_cls, tuple(executable_args or ()),

@@ -10,7 +10,7 @@ from launcher_helpers import rank_lines
 
 PRINT_ENV = r"""
 import json, os
-names = [n for n in os.environ if n.startswith("HVDLITE_")] + [
+names = [n for n in os.environ if n.startswith(("HVDLITE_", "HOROVOD_"))] + [
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "MY_CUSTOM_VAR"]
 env = {n: os.environ.get(n) for n in names}
@@ -45,6 +45,10 @@ def test_launch_local_ranks_get_contract_environment(hvdliterun, tmp_path, np):
         assert env["HVDLITE_LOCAL_SIZE"] == env["LOCAL_WORLD_SIZE"] == str(np)
         assert env["HVDLITE_CROSS_RANK"] == "0" and env["HVDLITE_CROSS_SIZE"] == "1"
         assert env["HVDLITE_HOSTNAME"] == socket.gethostname()
+        # horovodrun's names for the same place, for Horovod scripts that read them
+        for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME"):
+            assert env[f"HOROVOD_{name}"] == env[f"HVDLITE_{name}"], name
+        assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
         assert env["HVDLITE_RENDEZVOUS_ADDR"] == env["MASTER_ADDR"] == "127.0.0.1"
         assert env["HVDLITE_RENDEZVOUS_PORT"] != env["MASTER_PORT"]
         assert int(env["MASTER_PORT"]) > 0 and int(env["HVDLITE_RENDEZVOUS_PORT"]) > 0

@@ -16,6 +16,11 @@ def main():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     print(f"STARTED rank {rank} on {socket.gethostname()}", flush=True)
+    # the place by the one rule, and what a Horovod script reads from the environment
+    horovod_env = ",".join(os.environ.get(f"HOROVOD_{k}", "-") for k in (
+        "RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME"))
+    print(f"PLACE rank {rank} local {hvd.local_rank()}/{hvd.local_size()} cross {hvd.cross_rank()}/"
+          f"{hvd.cross_size()} env {horovod_env}", flush=True)
     torch.manual_seed(0)
     # allreduce (sum and average), broadcast, allgather with different rows per rank
     x = torch.arange(6, dtype=torch.float32) + rank

@@ -108,12 +108,18 @@ def test_three_hosts_from_outside_with_a_hostfile(hosts, tmp_path):
     assert_nothing_left(hosts)
 
 
-def test_is_homogeneous_is_one_answer_for_the_whole_job(hosts):
+def test_uneven_hosts_give_one_homogeneous_answer_and_horovods_cross_ranks(hosts):
     result = run_on(hosts, "hvta", launcher(hosts, "-H", "hvta:2,hvtb:1") + JOB)
     out = result.stdout + result.stderr
     checked = lines(out, "CHECKED")
     assert result.returncode == 0 and len(checked) == 3, out[-3000:]
     assert all(line.endswith("homogeneous=False") for line in checked), checked
+    # horovod.torch's cross communicators on uneven hosts: the ranks that share a local rank
+    # (Note [Cross ranks]); hvdliterun sets horovodrun's variables to the same values
+    assert sorted(lines(out, "PLACE")) == [
+        "[0]<stdout>: PLACE rank 0 local 0/2 cross 0/2 env 0,3,0,2,0,2,hvta",
+        "[1]<stdout>: PLACE rank 1 local 1/2 cross 0/1 env 1,3,1,2,0,1,hvta",
+        "[2]<stdout>: PLACE rank 2 local 0/1 cross 1/2 env 2,3,0,1,1,2,hvtb"], out[-3000:]
     assert_nothing_left(hosts)
 
 

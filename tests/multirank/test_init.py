@@ -45,6 +45,18 @@ def test_torchrun_variables_are_read():
     assert results == [(r, 2, r, 2, 0, 1, True, 1, False) for r in range(2)]
 
 
+def test_torchrun_on_uneven_nodes_gives_horovods_cross_ranks():
+    # torchrun with 2 nodes (GROUP_RANK) of 2 and 1 processes: the cross communicator of local
+    # rank 0 spans both nodes, that of local rank 1 only the first (Note [Cross ranks])
+    port = _free_port()
+    layout = {0: (0, 2, 0), 1: (1, 2, 0), 2: (0, 1, 1)}  # rank: local rank, local size, node
+    env = lambda r: {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(layout[r][0]),
+                     "LOCAL_WORLD_SIZE": str(layout[r][1]), "GROUP_RANK": str(layout[r][2]),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    results = _job_with_env(3, env, "_report_without_hvdlite_vars").wait(timeout=60)
+    assert [r[:6] for r in results] == [(0, 3, 0, 2, 0, 2), (1, 3, 1, 2, 0, 1), (2, 3, 0, 1, 1, 2)]
+
+
 def test_open_mpi_variables_are_read():
     port = _free_port()
     env = lambda r: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2",
