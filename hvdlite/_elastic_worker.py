@@ -39,6 +39,7 @@ import os
 import threading
 
 HOSTS_UPDATED = "updating the job's hosts (elastic training; every rank resets)"
+DURABLE_KEY = "elastic/durable"  # the same key as runner/elastic.py's
 
 _ASSIGN_SLACK_SECONDS = 60.0
 
@@ -112,15 +113,23 @@ def request_place():
         raise WorkerRemoved(reply.get("why", ""))
     if action != "run":
         raise ElasticAbort(f"hvdliterun stopped the elastic job: {reply.get('why', action)}")
-    names = {"rank": ("HVDLITE_RANK", "RANK"), "size": ("HVDLITE_SIZE", "WORLD_SIZE"),
-             "local_rank": ("HVDLITE_LOCAL_RANK", "LOCAL_RANK"),
-             "local_size": ("HVDLITE_LOCAL_SIZE", "LOCAL_WORLD_SIZE"),
-             "cross_rank": ("HVDLITE_CROSS_RANK",), "cross_size": ("HVDLITE_CROSS_SIZE",)}
-    for field, variables in names.items():
-        for variable in variables:
-            os.environ[variable] = str(reply[field])
+    from ._place import Place, environment
+    place = Place(*(reply[field] for field in ("rank", "size", "local_rank", "local_size",
+                                               "cross_rank", "cross_size")))
+    os.environ.update(environment(place, os.environ.get("HVDLITE_HOSTNAME", "")))
     os.environ["HVDLITE_ELASTIC_GENERATION"] = str(reply["generation"])
     return reply
+
+
+def record_durable_copy(path, commit):
+    """Tells the launcher that `path` holds the state of this rank 0's commit number `commit`
+    (Note [No survivor] in runner/elastic.py); a no-op outside elastic mode."""
+    if not enabled():
+        return
+    value = json.dumps({"path": path, "commit": commit,
+                        "generation": int(os.environ.get("HVDLITE_ELASTIC_GENERATION", "-1"))})
+    with _lock:
+        _connection().call(b"SET", [DURABLE_KEY.encode(), value.encode()])
 
 
 def hosts_updated():

@@ -23,8 +23,19 @@ stable ids, not ranks; each generation's ranks are handed out through the rendez
     seconds after its generation ended (it hangs instead of failing) is killed and counts as
     failed.
 The job stops with a message when --reset-limit resets have happened, when fewer than
---min-np workers could be gathered for --elastic-timeout seconds, or when the discovery script
-fails on its first run. It succeeds when the workers finish with status 0.
+--min-np workers could be gathered for --elastic-timeout seconds, when every host the
+discovery script reports is blacklisted for good, when no worker of the last generation is
+left to hand its state on (Note [No survivor]), or when the discovery script fails on its first
+run. It succeeds when the workers finish with status 0.
+
+Note [No survivor]
+The committed state lives in the workers' memory, and a new generation receives it from its
+rank 0, a survivor. When every worker of a generation is gone (failed, or its host removed)
+and only new workers remain, nobody holds the state: forming a generation of newcomers would
+silently restart training from scratch. The launcher stops the job instead, naming what was
+lost, unless a rank 0 has reported a durable copy of its last commit (the key DURABLE_KEY,
+written by TorchState.keep_durable_copy): then the new generation restores that copy, and the
+launcher says so.
 """
 import json
 import os
@@ -46,6 +57,7 @@ from .workers import WorkerGroup, stop_with_parent
 
 DISCOVERY_INTERVAL = 1.0
 DISCOVERY_TIMEOUT = 30.0
+DURABLE_KEY = "elastic/durable"  # Note [No survivor]; written by hvdlite/_elastic_worker.py
 
 
 class DiscoveryFailed(Exception):
@@ -136,6 +148,7 @@ class _Driver:
         self.detector = LocalHostDetector()
         self.events: List[str] = []        # what happened, for the verbose log and tests
         self.server: Optional[RendezvousServer] = None
+        self.generation_hosts: List[str] = []  # the hosts of the current generation
 
     # -- logging
     def log(self, message: str) -> None:
@@ -175,11 +188,13 @@ class _Driver:
         env.update({
             "HVDLITE_ELASTIC": "1", "HVDLITE_ELASTIC_WORKER": str(wid),
             "HVDLITE_ELASTIC_TIMEOUT": f"{self.elastic.timeout:g}", "HVDLITE_HOSTNAME": host,
+            "HOROVOD_ELASTIC": "1", "HOROVOD_HOSTNAME": host,  # as horovodrun's elastic workers
             "HVDLITE_RENDEZVOUS_ADDR": self._rendezvous_addr(host, local),
             "HVDLITE_RENDEZVOUS_PORT": str(self.server.port),
             "HVDLITE_RENDEZVOUS_SECRET": self.server.secret,
         })
-        for name in ("HVDLITE_RANK", "HVDLITE_SIZE", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        for name in ("HVDLITE_RANK", "HVDLITE_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE", "RANK", "WORLD_SIZE",
+                     "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)
         info = SlotInfo(hostname=host, rank=wid, size=0, local_rank=slot, local_size=0,
                         cross_rank=0, cross_size=0)
@@ -307,6 +322,16 @@ class _Driver:
                 return
         survivors = sorted((w for w in stay if w.rank is not None), key=lambda w: w.rank)
         newcomers = sorted((w for w in stay if w.rank is None), key=lambda w: w.wid)
+        durable = None
+        if self.generation >= 0 and not survivors:  # Note [No survivor]
+            durable = self._durable_copy()
+            if durable is None:
+                self._abort(f"elastic: no worker of generation {self.generation} is left (it ran on "
+                            f"{', '.join(self.generation_hosts)}), and only they held the committed "
+                            f"state: the {len(newcomers)} new worker(s) cannot be given it, so the job "
+                            "stopped instead of restarting training from scratch (a state that keeps a "
+                            "durable copy, state.keep_durable_copy(path), is restored from it instead)")
+                return
         places, left_out = plan_generation([(w.wid, w.host) for w in survivors],
                                            [(w.wid, w.host) for w in newcomers], self.elastic.max_np)
         old = self.generation
@@ -322,7 +347,7 @@ class _Driver:
                 place = places[w.wid]
                 w.rank = place.rank
                 self._answer(w, {"action": "run", "generation": self.generation, "restore": restore,
-                                 **place.__dict__})
+                                 "durable": durable, **place.__dict__})
         self.newcomers.difference_update(places)
         if old >= 0 and not self.ended_generation:
             self._store_set(f"elastic/notice/{old}", b"end")
@@ -330,8 +355,29 @@ class _Driver:
         self.failed_since_formed = False
         took = "" if old < 0 else f" {time.monotonic() - self.reset_began:.2f} s after the reset began"
         ranks = ", ".join(f"{w.host}:{places[w.wid].rank}" for w in survivors + newcomers if w.wid in places)
-        self.announce(f"generation {self.generation}: {len(places)} ranks ({ranks})"
-                      f"{', rolled back to the last commit' if restore else ''}{took}")
+        self.generation_hosts = sorted({w.host for w in survivors + newcomers if w.wid in places})
+        if durable is not None:
+            how = (f", no worker of generation {old} is left: restoring the durable copy of commit "
+                   f"{durable['commit']} ({durable['path']})")
+        else:
+            how = ", rolled back to the last commit" if restore else ""
+        self.announce(f"generation {self.generation}: {len(places)} ranks ({ranks}){how}{took}")
+
+    def _durable_copy(self) -> Optional[dict]:
+        """The last durable copy a rank 0 reported (Note [No survivor]), or None."""
+        raw = self._store_get(DURABLE_KEY)
+        return None if raw is None else json.loads(raw)
+
+    def _hopeless(self, now: float) -> Optional[str]:
+        """Why no worker can ever run again: every host the discovery script reports is
+        blacklisted for good (no cooldown range). None while some host is usable, may come
+        back, or the script reports no host at all (hosts may still be added)."""
+        hosts = [h.name for h in self.discovery.latest()]
+        if not hosts or any(self.blacklist.until.get(h) != float("inf") for h in hosts):
+            return None
+        return (f"elastic: every host the discovery script reports ({', '.join(hosts)}) is "
+                "blacklisted for good after its workers failed, and without "
+                "--blacklist-cooldown-range none comes back: stopped the job")
 
     # -- exits
     def _handle_exit(self, wid: int, code: int, now: float) -> None:
@@ -400,6 +446,10 @@ class _Driver:
             if not self.group.running() and self.finishing:
                 return
             self._poll_requests()
+            hopeless = self._hopeless(now)
+            if hopeless is not None and not self.finishing:
+                self._abort(hopeless)
+                return
             self._follow_hosts(now)
             self._try_form(now)
             if not self.group.running() and not self.done:

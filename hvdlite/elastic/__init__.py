@@ -46,10 +46,28 @@ def _reset(state, reason, lost):
         sys.stderr.write(f"hvdlite elastic: this worker leaves the job ({removed.why})\n")
         sys.stderr.flush()
         raise
-    assignment = _elastic_worker.assignment()
-    if assignment.get("restore"):
-        state.restore()
+    if not _restore_durable(state):
+        if _elastic_worker.assignment().get("restore"):
+            state.restore()
     state.on_reset()
+
+
+def _restore_durable(state):
+    """Note [No survivor] (runner/elastic.py): the launcher formed this generation from new
+    workers only and hands them the last durable copy; True if it did."""
+    assignment = _elastic_worker.assignment() or {}
+    durable = assignment.get("durable")
+    if not durable:
+        return False
+    if not hasattr(state, "restore_durable_copy"):
+        raise RuntimeError("hvdlite.elastic: the launcher asked to restore a durable copy, but this "
+                           f"state ({type(state).__name__}) cannot load one")
+    if basics.rank() == 0:
+        sys.stderr.write(f"hvdlite elastic: no worker of the previous generation is left; restoring "
+                         f"the durable copy of commit {durable['commit']} from {durable['path']}\n")
+        sys.stderr.flush()
+    state.restore_durable_copy(durable["path"])
+    return True
 
 
 def run(func):
@@ -61,6 +79,7 @@ def run(func):
     def wrapper(state, *args, **kwargs):
         if not basics.is_initialized():
             basics.init()
+        _restore_durable(state)  # a worker that starts in a generation of newcomers only
         reset = None
         while True:
             try:

@@ -17,11 +17,17 @@ its share. That global view, computed locally, is what is committed, restored an
     that are leaving, whose gradients are in the model.
 The sync then takes rank 0's view and deals the rest over the new size. A script that records
 with ``record_indices`` instead (any indices) breaks the lock-step reasoning, so then commit and
-sync gather every rank's set (collectives). An epoch ends when a rank has walked its whole
-share (every rank does so at the same step); the next iteration starts the next epoch, so a loop
-that does not call ``set_epoch`` still gets a fresh shuffle. ``set_epoch`` with the current
-epoch keeps what was processed: a loop that calls it at the top of every epoch, as Horovod's
+sync gather every rank's set (collectives). A pass over the epoch ends when a rank has walked
+its whole share (every rank does so at the same step); iterating again without ``set_epoch``
+starts the same epoch over, in the same order, as horovod.torch's sampler and torch's
+DistributedSampler do (a new shuffle needs ``set_epoch``). ``set_epoch`` with the current epoch
+keeps what was processed: a loop that calls it at the top of every epoch, as Horovod's
 examples do, does not repeat the first part of an epoch after a reset in its middle.
+
+With ``record_batch`` the processed samples are always the first ``processed_num`` of the
+epoch's order (each deal hands out the rest in that order, round robin), so horovod.torch's
+state form, ``{"epoch", "processed_num"}``, says exactly what was processed; ``state_dict()``
+holds both forms and ``load_state_dict`` takes either.
 """
 
 import math
@@ -66,6 +72,12 @@ class ElasticSampler(torch.utils.data.Sampler):
             done.update(share[:self._cursor])
         return done
 
+    @property
+    def processed_num(self):
+        """How many samples of this epoch every rank together has processed (horovod.torch's
+        count)."""
+        return len(self.processed_indices)
+
     def set_epoch(self, epoch):
         """Starts epoch ``epoch`` (a new shuffle, nothing processed); the current epoch again
         keeps what was processed (Note [Processed samples])."""
@@ -92,12 +104,18 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.indices[start:start + batch_size]
 
     def state_dict(self):
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices),
-                "seed": self.seed, "shuffle": self.shuffle}
+        processed = self.processed_indices
+        return {"epoch": self.epoch, "processed_num": len(processed),
+                "processed_indices": sorted(processed), "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state_dict):
+        """Takes this sampler's ``state_dict()`` or horovod.torch's ``{"epoch", "processed_num"}``
+        (the first ``processed_num`` samples of the epoch's order were processed)."""
         self.epoch = int(state_dict["epoch"])
-        self._deal(set(int(i) for i in state_dict["processed_indices"]))
+        if "processed_indices" in state_dict:
+            self._deal(set(int(i) for i in state_dict["processed_indices"]))
+        else:
+            self._deal(set(self._epoch_order()[:int(state_dict["processed_num"])]))
 
     def reset(self):
         """Deals the indices not yet processed over the job's current ranks."""
@@ -116,8 +134,8 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.indices = self._shares[self.rank]
 
     def __iter__(self):
-        if self._cursor >= len(self.indices):  # this rank walked its share: the epoch is over
-            self.set_epoch(self.epoch + 1)
+        if self._cursor >= len(self.indices):  # this rank walked its share: the same epoch again
+            self._deal(set())
         return iter(self.indices[self._cursor:])
 
     def __len__(self):

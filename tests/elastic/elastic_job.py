@@ -41,6 +41,8 @@ resets = []
 crash_countdown = [2]
 state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0)
 state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+if os.environ.get("ELASTIC_DURABLE"):  # every commit also written there (Note [No survivor])
+    state.keep_durable_copy(os.environ["ELASTIC_DURABLE"])
 log = open(os.path.join(OUT, f"progress.{os.getpid()}"), "a", buffering=1)
 
 
@@ -52,7 +54,10 @@ def note(**fields):
 
 @hvd.elastic.run
 def train(state):
-    note(event="start", rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, batch=state.batch)
+    note(event="start", rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, batch=state.batch,
+         horovod=[os.environ.get(f"HOROVOD_{k}") for k in ("ELASTIC", "RANK", "SIZE", "LOCAL_RANK",
+                                                            "CROSS_SIZE", "HOSTNAME")],
+         cross=[hvd.cross_rank(), hvd.cross_size()])
     try:
         loop(state)
     except hvd.elastic.HostsUpdatedInterrupt as exc:

@@ -70,6 +70,13 @@ def test_host_added_every_rank_interrupted_at_the_same_operation(elastic_runs):
     first = {r: pid for r, _, _, pid in gens[min(gens)]}
     assert {r: pid for r, _, h, pid in last if h == "127.0.0.1"} == first
     assert "rolled back" not in out, out  # nothing failed: the state was kept
+    # every generation's place also in horovodrun's variables, as its elastic workers get them
+    for e in run.events():
+        if e["event"] == "start":
+            local = 0 if e["rank"] % 2 == 0 else 1
+            assert e["horovod"] == ["1", str(e["rank"]), str(e["size"]), str(local),
+                                    str(e["cross"][1]), e["host"]], e
+            assert e["cross"] == ([0, 1] if e["size"] == 2 else [e["rank"] // 2, 2]), e
     run.check_every_sample_once_per_epoch()
 
 
@@ -165,3 +172,38 @@ def test_rank_that_hangs_instead_of_leaving_is_killed_after_the_timeout(elastic_
     gens = _ranks_by_generation(run)
     assert {(r, s, h) for r, s, h, _ in gens[max(gens)]} == {(0, 1, "127.0.0.1")}
     run.check_every_sample_once_per_epoch()
+
+
+def test_no_survivor_stops_the_job_instead_of_restarting_from_scratch(elastic_runs):
+    # Every worker that held the committed state leaves at once (its host is replaced): the
+    # new workers cannot be given the state, and the job must not start again at epoch 0.
+    run = _start(elastic_runs, ["127.0.0.1:2"])
+    run.wait_steps(6, size=2)
+    run.set_hosts(["127.0.0.2:2"])
+    code, out = run.finish(timeout=60)
+    assert code != 0, out
+    assert "no worker of generation 0 is left (it ran on 127.0.0.1), and only they held the committed state" in out, out
+    assert not run.steps(host="127.0.0.2"), "new workers trained from scratch:\n" + out
+
+
+def test_no_survivor_resumes_from_a_durable_copy(elastic_runs, tmp_path):
+    durable = tmp_path / "state.pt"
+    run = _start(elastic_runs, ["127.0.0.1:2"], env={"ELASTIC_DURABLE": str(durable)})
+    run.wait_steps(6, size=2)
+    run.set_hosts(["127.0.0.2:2"])
+    code, out = run.finish()
+    assert code == 0, out
+    assert "no worker of generation 0 is left: restoring the durable copy of commit" in out, out
+    assert f"({durable})" in out, out
+    new = run.steps(host="127.0.0.2")
+    first = min(new, key=lambda e: e["t"])
+    assert (first["epoch"], first["batch"]) != (0, 0), first  # resumed, not restarted
+    run.check_every_sample_once_per_epoch()
+
+
+def test_every_host_blacklisted_for_good_stops_at_once(elastic_runs):
+    run = _start(elastic_runs, ["127.0.0.3:2"], env={"ELASTIC_CRASH_HOST": "127.0.0.3"})
+    code, out = run.finish(timeout=60)  # not the 600 s --elastic-timeout
+    assert code != 0, out
+    assert "every host the discovery script reports (127.0.0.3) is blacklisted for good" in out, out
+    assert "waiting up to" not in out, out

@@ -75,18 +75,43 @@ def test_sampler_deals_without_repeats_and_counts_every_rank_in_lock_step():
     assert sorted(restored) == sorted(set(dataset) - set(state["processed_indices"]))
 
 
-def test_sampler_epochs_advance_after_a_full_share_and_set_epoch_keeps_progress():
+def test_sampler_iterates_an_epoch_again_as_horovod_and_set_epoch_keeps_progress():
     dataset = list(range(10))
     sampler = ElasticSampler(dataset, shuffle=True, seed=0)
     first = list(sampler)
+    assert (sampler.processed_num, sampler.state_dict()["processed_num"]) == (0, 0)
     sampler.record_batch(0, 4)
+    assert sampler.processed_num == 4 and sampler.processed_indices == set(first[:4])
     sampler.set_epoch(0)  # the same epoch: the 4 recorded samples stay processed
-    assert sorted(sampler) == sorted(first[4:])
+    assert list(sampler) == first[4:]
     sampler.record_batch(0, 6)
-    second = list(sampler)  # the share was walked: the next epoch, reshuffled
-    assert sampler.epoch == 1 and sorted(second) == dataset and second != first
+    # the share was walked: iterating again without set_epoch gives the same epoch, same order
+    # (horovod.torch's and DistributedSampler's semantics)
+    assert list(sampler) == first and sampler.epoch == 0 and sampler.processed_num == 0
+    sampler.set_epoch(1)  # a new shuffle
     expected = torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()
-    assert second == expected
+    assert list(sampler) == expected and expected != first
+
+
+def test_sampler_state_in_horovods_form():
+    dataset = list(range(12))
+    sampler = ElasticSampler(dataset, shuffle=True, seed=4)
+    sampler.num_replicas, sampler.rank = 3, 2
+    sampler.set_epoch(2)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(6)).tolist()
+    sampler.record_batch(0, 2)  # every rank took 2: the first 6 of the epoch's order
+    state = sampler.state_dict()
+    assert (state["epoch"], state["processed_num"]) == (2, 6)
+    assert set(state["processed_indices"]) == set(order[:6])
+    # horovod.torch's state_dict form carries only the epoch and the count, and resumes the same
+    horovods = ElasticSampler(dataset, shuffle=True, seed=4)
+    horovods.num_replicas, horovods.rank = 3, 2
+    horovods.load_state_dict({"epoch": 2, "processed_num": 6})
+    ours = ElasticSampler(dataset, shuffle=True, seed=4)
+    ours.num_replicas, ours.rank = 3, 2
+    ours.load_state_dict(state)
+    assert list(horovods) == list(ours) == order[6:][2::3]
+    assert horovods.processed_num == 6 and horovods.epoch == 2
 
 
 def test_elastic_flags_build_the_elastic_config():
