@@ -60,7 +60,8 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     entry_points={"console_scripts": ["hvdliterun = hvdlite.runner.launch:main"]},
     python_requires=">=3.9",
-    install_requires=[],
-    # --config-file (horovodrun's YAML); broadcast_object of lambdas and local classes
-    extras_require={"config": ["pyyaml"], "objects": ["cloudpickle"], "ray": ["ray[train]"]},
+    # cloudpickle: broadcast_object / allgather_object of lambdas and local classes; pyyaml:
+    # hvdliterun --config-file (horovodrun's YAML). horovod.torch depends on both too.
+    install_requires=["cloudpickle", "pyyaml"],
+    extras_require={"ray": ["ray[train]"]},
 )

@@ -460,12 +460,17 @@ ReadyItem Controller::MakeReady(Pending& pending) {
     item.last_joined = last_joined_;
     joined_.assign(size_, false);
     last_joined_ = -1;
-  } else if (request.kind == CollectiveKind::kBroadcast &&
-             std::find(item.joined.begin(), item.joined.end(), request.root) != item.joined.end()) {
-    item.status = mismatch("root rank " + std::to_string(request.root) +
-                               " has already joined and has no tensor to send", {request.root});
+  } else if ((request.kind == CollectiveKind::kBroadcast || request.kind == CollectiveKind::kAllgather) &&
+             !item.joined.empty()) {
+    // Note [Join]: no allgather or broadcast while a rank has joined, as in horovod.torch.
+    std::string joined;
+    for (int r : item.joined) joined += (joined.empty() ? "" : ", ") + std::to_string(r);
+    item.status = mismatch("not supported while " + std::string(item.joined.size() == 1 ? "rank " : "ranks ") +
+                               joined + (item.joined.size() == 1 ? " has" : " have") +
+                               " joined (a joined rank has no tensor to contribute); call it before join()",
+                           item.joined);
   } else if (request.kind == CollectiveKind::kAllgather) {
-    item.rank_dim0.assign(size_, 0);  // joined ranks send no rows
+    item.rank_dim0.assign(size_, 0);
     for (size_t i = 0; i < ranks.size(); ++i) {
       const auto& shape = requests[i].shape;
       item.rank_dim0[ranks[i]] = shape.empty() ? 1 : shape[0];

@@ -31,7 +31,9 @@
 // recorded until every rank has joined, that rank counts as having submitted every other name:
 // a name is ready once all ranks that have not joined requested it. The joined rank still runs
 // the collective, with a neutral input (zeros for sums, the op's identity for Min/Max/Product,
-// no rows for allgather and alltoall) and discards the result. Averages divide by the size of
+// no rows for alltoall) and discards the result. An allgather or a broadcast decided while a
+// rank has joined fails on the ranks that called it, as in horovod.torch (a joined rank has no
+// tensor to send, and a Horovod script expects the error); the job goes on. Averages divide by the size of
 // the set, as horovod.torch and DDP's Join do (the joined ranks count as zeros), or, with
 // HVDLITE_JOIN_AVERAGE=contributors, by the ranks that contributed. When the last rank joins, every rank's join completes, returning the
 // rank that joined last, and the joined set is cleared.

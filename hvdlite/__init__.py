@@ -28,7 +28,9 @@ _EXPORTS = {
         ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
          "grouped_allreduce", "grouped_reducescatter", "reducescatter"], "differentiable"),
     **dict.fromkeys(
-        ["HorovodInternalError", "HvdliteError", "MismatchError", "NotInitializedError",
+        ["HorovodInternalError", "HvdliteError", "HvdliteNotImplementedError", "HvdliteTypeError",
+         "HvdliteValueError",
+         "MismatchError", "NotInitializedError", "ObjectPicklingError",
          "RankFailureError", "ShutdownError", "StallError"], "exceptions"),
     **dict.fromkeys(
         ["allgather_object", "broadcast_object", "broadcast_optimizer_state",

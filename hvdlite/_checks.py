@@ -11,6 +11,7 @@ import torch
 
 from . import _state
 from ._native import _core
+from .exceptions import HvdliteTypeError, HvdliteValueError
 
 # Reduce ops, with horovod.torch's values (csrc/types.h exports them).
 Average = _core.REDUCE_OPS["Average"]
@@ -47,24 +48,24 @@ def _check_tensor(fn, tensor, what="tensor", min_dim=0, dtypes=_SUPPORTED_DTYPE_
             and (min_dim == 0 or tensor.dim() >= min_dim)):
         return  # the common case, in one test; the checks below say what is wrong
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{fn}: expected a torch.Tensor for '{what}', got {type(tensor).__name__}")
+        raise HvdliteTypeError(f"{fn}: expected a torch.Tensor for '{what}', got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
-        raise TypeError(f"{fn}: '{what}' is a {tensor.layout} tensor; only dense (strided) tensors "
+        raise HvdliteTypeError(f"{fn}: '{what}' is a {tensor.layout} tensor; only dense (strided) tensors "
                         "are supported (densify sparse tensors with .to_dense())")
     if tensor.dtype not in dtypes:
         supported = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{fn}: '{what}' has dtype {str(tensor.dtype).replace('torch.', '')}, "
+        raise HvdliteTypeError(f"{fn}: '{what}' has dtype {str(tensor.dtype).replace('torch.', '')}, "
                         f"which hvdlite does not support; supported: {supported}")
     if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{fn}: '{what}' is on {tensor.device}; hvdlite supports cpu and cuda tensors")
+        raise HvdliteValueError(f"{fn}: '{what}' is on {tensor.device}; hvdlite supports cpu and cuda tensors")
     if tensor.dim() < min_dim:
-        raise ValueError(f"{fn}: '{what}' must have at least {min_dim} dimension(s), got a "
+        raise HvdliteValueError(f"{fn}: '{what}' must have at least {min_dim} dimension(s), got a "
                          f"{tensor.dim()}-d tensor")
 
 
 def _check_tensors(fn, tensors, min_dim=0, dtypes=_SUPPORTED_DTYPE_SET):
     if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise TypeError(f"{fn}: expected a non-empty list of tensors, got {type(tensors).__name__}")
+        raise HvdliteTypeError(f"{fn}: expected a non-empty list of tensors, got {type(tensors).__name__}")
     strided, tensor_type = torch.strided, torch.Tensor
     for i, t in enumerate(tensors):
         # _check_tensor's common case inline (a call per tensor costs more than the test);
@@ -77,7 +78,7 @@ def _check_tensors(fn, tensors, min_dim=0, dtypes=_SUPPORTED_DTYPE_SET):
 
 def _check_name(fn, name):
     if name is not None and not isinstance(name, str):
-        raise TypeError(f"{fn}: name must be a str or None, got {type(name).__name__}")
+        raise HvdliteTypeError(f"{fn}: name must be a str or None, got {type(name).__name__}")
     return name or ""
 
 
@@ -85,38 +86,38 @@ def _check_scale(fn, arg, value):
     if value == 1.0 and type(value) in (float, int):  # the common case, without ABC checks
         return 1.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__}")
+        raise HvdliteTypeError(f"{fn}: {arg} must be a real number, got {type(value).__name__}")
     value = float(value)
     if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{fn}: {arg} must be finite, got {value}")
+        raise HvdliteValueError(f"{fn}: {arg} must be finite, got {value}")
     return value
 
 
 def _resolve_op(fn, average, op, allowed=(Average, Sum, Min, Max, Product, Adasum)):
     if average is not None:
         if op is not None:
-            raise ValueError(f"{fn}: pass either op= or the deprecated average=, not both")
+            raise HvdliteValueError(f"{fn}: pass either op= or the deprecated average=, not both")
         return Average if average else Sum
     if op is None:
         return Average
     if op == Adasum and not isinstance(op, bool) and Adasum not in allowed:
-        raise ValueError(f"{fn}: op=Adasum is not supported here (as in horovod.torch); Adasum is "
+        raise HvdliteValueError(f"{fn}: op=Adasum is not supported here (as in horovod.torch); Adasum is "
                          "an allreduce")
     if isinstance(op, bool) or op not in allowed:
         names = ", ".join(_OP_NAMES[o] for o in allowed)
-        raise ValueError(f"{fn}: op must be one of {names}; got {op!r}")
+        raise HvdliteValueError(f"{fn}: op must be one of {names}; got {op!r}")
     return op
 
 
 def _check_root(fn, root_rank, runtime):
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
-        raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
+        raise HvdliteTypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
     if runtime.size == _state.current().topology.size and runtime.ranks == list(range(runtime.size)):
         if not 0 <= root_rank < runtime.size:
-            raise ValueError(f"{fn}: root_rank {root_rank} is out of range for a job of {runtime.size} ranks")
+            raise HvdliteValueError(f"{fn}: root_rank {root_rank} is out of range for a job of {runtime.size} ranks")
         return int(root_rank)
     if root_rank not in runtime.ranks:
-        raise ValueError(f"{fn}: root_rank {root_rank} is not in the process set {runtime.ranks}")
+        raise HvdliteValueError(f"{fn}: root_rank {root_rank} is not in the process set {runtime.ranks}")
     return runtime.ranks.index(root_rank)
 
 
@@ -124,23 +125,23 @@ def _check_splits(fn, tensor, splits, size):
     rows = tensor.shape[0]
     if splits is None:
         if rows % size:
-            raise ValueError(f"{fn}: without splits, dimension 0 ({rows}) must divide evenly over "
+            raise HvdliteValueError(f"{fn}: without splits, dimension 0 ({rows}) must divide evenly over "
                              f"{size} ranks")
         return [rows // size] * size
     if isinstance(splits, torch.Tensor):
         if splits.is_floating_point() or splits.dim() != 1:
-            raise ValueError(f"{fn}: splits must be a 1-d integer tensor or a list of ints")
+            raise HvdliteValueError(f"{fn}: splits must be a 1-d integer tensor or a list of ints")
         splits = splits.tolist()
     try:
         values = [int(s) for s in splits]
         if any(isinstance(s, bool) or int(s) != s for s in splits):
             raise ValueError
     except (TypeError, ValueError):
-        raise ValueError(f"{fn}: splits must be a list of ints, got {splits!r}") from None
+        raise HvdliteValueError(f"{fn}: splits must be a list of ints, got {splits!r}") from None
     if len(values) != size:
-        raise ValueError(f"{fn}: splits has {len(values)} entries but the process set has {size} ranks")
+        raise HvdliteValueError(f"{fn}: splits has {len(values)} entries but the process set has {size} ranks")
     if any(v < 0 for v in values):
-        raise ValueError(f"{fn}: splits must not be negative, got {values}")
+        raise HvdliteValueError(f"{fn}: splits must not be negative, got {values}")
     if sum(values) != rows:
-        raise ValueError(f"{fn}: splits sum to {sum(values)} but dimension 0 of the tensor is {rows}")
+        raise HvdliteValueError(f"{fn}: splits sum to {sum(values)} but dimension 0 of the tensor is {rows}")
     return values

@@ -2,7 +2,9 @@
 
 Adasum combines two gradients a and b as
     (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
-(a coefficient is 1 when its norm is below 1e-8, as in Horovod), applied pairwise up a binary
+(a coefficient is 1 when its squared norm is below sqrt(DBL_MIN), about 1.5e-154, as in
+Horovod: only a vector that is numerically zero, so tiny gradients are combined like any other),
+applied pairwise up a binary
 tree over the ranks: level k combines the results of the blocks of 2^k ranks starting at
 multiples of 2^(k+1), the lower block's result as `a`.
 
@@ -17,17 +19,27 @@ one small allgather and each rank adds its group's. After the last level every r
 piece of the result; an allgather puts the pieces back in place. The arithmetic is done in
 float64 and the result cast back to the tensor's dtype.
 """
+import math
+import sys
+
 import torch
+
+from .exceptions import HvdliteNotImplementedError
 
 
 def _check(fn, size):
     if size & (size - 1):
-        raise ValueError(f"{fn}: op=Adasum needs a power-of-two number of ranks in the set, got {size}")
+        raise HvdliteNotImplementedError(f"{fn}: op=Adasum needs a power-of-two number of ranks in the set, got {size}")
+
+
+# Below this a squared norm counts as zero (its coefficient is 1): sqrt of the smallest normal
+# double, Horovod's rule. The sums are float64, so a norm of 1e-30 (squared 1e-60) is not zero.
+_ZERO_SQUARED_NORM = math.sqrt(sys.float_info.min)
 
 
 def _combine(a, b, dot, anorm, bnorm):
-    acoeff = 1.0 - dot / (2.0 * anorm) if anorm >= 1e-8 else 1.0
-    bcoeff = 1.0 - dot / (2.0 * bnorm) if bnorm >= 1e-8 else 1.0
+    acoeff = 1.0 - dot / (2.0 * anorm) if anorm >= _ZERO_SQUARED_NORM else 1.0
+    bcoeff = 1.0 - dot / (2.0 * bnorm) if bnorm >= _ZERO_SQUARED_NORM else 1.0
     return acoeff * a + bcoeff * b
 
 
@@ -39,7 +51,7 @@ def adasum(tensor, name, rank, size, exchange, gather):
     fn = "allreduce(op=Adasum)"
     _check(fn, size)
     if tensor.device.type != "cpu":
-        raise ValueError(f"{fn}: Adasum runs on CPU tensors in hvdlite")
+        raise HvdliteNotImplementedError(f"{fn}: Adasum runs on CPU tensors in hvdlite")
     flat = tensor.detach().reshape(-1).to(torch.float64)
     start, piece = 0, flat  # the positions this rank is responsible for, and its vector there
     distance, level = 1, 0

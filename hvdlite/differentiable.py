@@ -8,7 +8,8 @@ in the same order (as data-parallel training does). The gradients:
 - allgather: this rank's rows of the incoming gradient averaged over ranks (as horovod.torch);
 - broadcast: the average of the incoming gradients on the root, zero elsewhere;
 - alltoall: the incoming gradient sent back along the received splits;
-- reducescatter: the allgather of the incoming gradient, scaled as the forward was.
+- reducescatter (and grouped): the allgather of the incoming gradient, times the set's size
+  for Sum, as horovod.torch defines it (Note [Reducescatter gradient]).
 """
 
 import torch
@@ -131,10 +132,33 @@ class _Reducescatter(torch.autograd.Function):
     def backward(ctx, grad):
         op, pre, post, process_set = ctx.args
         gathered = ops.synchronize(ops.allgather_async(grad.contiguous(), None, process_set))
-        scale = pre * post
-        if op == ops.Average:
-            scale /= ops._runtime("reducescatter", process_set)[1].size
-        return gathered * scale, None, None, None, None, None
+        return _reducescatter_gradient(gathered, op, pre, post, process_set), None, None, None, None, None
+
+
+def _reducescatter_gradient(gathered, op, pre, post, process_set):
+    """Note [Reducescatter gradient]: horovod.torch's rule, so a ported script's gradients keep
+    their scale: the allgather of the output gradients, times the set's size for Sum (for
+    Average, the allgather itself), times the prescale and postscale factors. That is the set's
+    size times the gradient of the sum of every rank's loss."""
+    scale = pre * post
+    if op == ops.Sum:
+        scale *= ops._runtime("reducescatter", process_set)[1].size
+    return gathered * scale if scale != 1.0 else gathered
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, pre, post, process_set, *tensors):
+        ctx.args = (op, pre, post, process_set)
+        return tuple(ops.synchronize(ops.grouped_reducescatter_async(
+            [t.detach() for t in tensors], name, op, process_set, pre, post)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, process_set = ctx.args
+        gathered = ops.synchronize(ops.grouped_allgather_async([g.contiguous() for g in grads], None,
+                                                               process_set))
+        return (None,) * 5 + tuple(_reducescatter_gradient(g, op, pre, post, process_set) for g in gathered)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -215,9 +239,10 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=ops.Averag
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=ops.Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """Reducescatter of each tensor in a list, negotiated and fused as a unit; returns the list."""
+    """Reducescatter of each tensor in a list, negotiated and fused as a unit; returns the list.
+    Differentiable (each gradient as reducescatter's). Synchronizes."""
     tensors = ops._check_tensors("grouped_reducescatter", tensors, min_dim=1, dtypes=ops._REDUCIBLE)
     pairs = [compression.compress(t) for t in tensors]
-    outs = ops.synchronize(ops.grouped_reducescatter_async(
-        [p[0] for p in pairs], name, op, process_set, prescale_factor, postscale_factor))
+    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                       *[p[0] for p in pairs])
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]

@@ -14,6 +14,10 @@ __all__ = [
     "StallError",
     "ShutdownError",
     "NotInitializedError",
+    "HvdliteValueError",
+    "HvdliteTypeError",
+    "HvdliteNotImplementedError",
+    "ObjectPicklingError",
     "HostsUpdatedInterrupt",
 ]
 
@@ -51,6 +55,34 @@ class ShutdownError(HvdliteError):
     """hvdlite was shut down while the operation was pending, or before it was submitted."""
 
 
+class HvdliteValueError(HvdliteError, ValueError):
+    """A bad argument or a call that cannot be made (op=Adasum on a reducescatter, a root rank
+    out of range, ...), raised at the call before anything reaches the other ranks.
+
+    Note [Argument errors are RuntimeErrors]: horovod.torch reports most bad calls from its
+    native layer, so Horovod scripts catch them as ``RuntimeError``; scripts written for
+    hvdlite (and for plain Python conventions) catch ``ValueError``. Both work.
+    """
+
+
+class HvdliteTypeError(HvdliteError, TypeError, ValueError):
+    """An argument of the wrong type or dtype (a list where a tensor goes, a float root rank, a
+    complex tensor to reduce, ...): a ``TypeError``, and also a ``ValueError`` and a
+    ``RuntimeError``, since horovod.torch raises ValueError for unsupported dtypes (Note
+    [Argument errors are RuntimeErrors])."""
+
+
+class HvdliteNotImplementedError(HvdliteValueError, NotImplementedError):
+    """A call that hvdlite cannot carry out in this configuration (op=Adasum on a set whose
+    size is not a power of two, or on CUDA tensors): horovod.torch raises NotImplementedError
+    there; it is a ``ValueError`` too."""
+
+
+class ObjectPicklingError(HvdliteError):
+    """``broadcast_object`` / ``allgather_object``: a rank could not pickle its object; raised on
+    every rank of the collective, naming the ranks (``ranks``) and why."""
+
+
 class NotInitializedError(HvdliteError, ValueError):
     """An operation was called before ``hvdlite.init()``."""
 
@@ -85,7 +117,8 @@ def _from_status(code, message, op="", tensor="", ranks=(), reason=""):
     from ._native import _core
     codes = _core.STATUS_CODES
     if code == codes["invalid_argument"]:
-        return ValueError(message)
+        return HvdliteValueError(message, op=op or None, tensor_name=tensor or None,
+                                 ranks=list(ranks) or None, reason=reason or None)
     if code == codes["shutdown"] and _HOSTS_UPDATED in message:
         return HostsUpdatedInterrupt(message, op=op or None, tensor_name=tensor or None,
                                      ranks=list(ranks) or None)

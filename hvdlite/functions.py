@@ -14,6 +14,7 @@ import torch
 
 from . import basics, ops
 from .process_sets import global_process_set
+from .exceptions import HvdliteTypeError, HvdliteValueError, ObjectPicklingError
 
 # What the engine's broadcast carries; other tensors (bool, int16, complex, sparse) are pickled.
 _CARRIED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
@@ -32,22 +33,22 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
     elif isinstance(params, collections.abc.Iterable):
         items = list(params)
     else:
-        raise ValueError("broadcast_parameters: expected a state_dict or (name, tensor) pairs, "
+        raise HvdliteValueError("broadcast_parameters: expected a state_dict or (name, tensor) pairs, "
                          f"got {type(params).__name__}")
     root = _check_root("broadcast_parameters", root_rank)
     seen, direct, pickled = set(), [], []
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise ValueError("broadcast_parameters: expected (name, tensor) pairs, got "
+            raise HvdliteValueError("broadcast_parameters: expected (name, tensor) pairs, got "
                              f"{item!r:.80}")
         name, tensor = item
         if tensor is None:
             continue
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"broadcast_parameters: '{name}' is a {type(tensor).__name__}, "
+            raise HvdliteTypeError(f"broadcast_parameters: '{name}' is a {type(tensor).__name__}, "
                             "expected a tensor")
         if name in seen:
-            raise ValueError(f"broadcast_parameters: the name '{name}' appears twice")
+            raise HvdliteValueError(f"broadcast_parameters: the name '{name}' appears twice")
         seen.add(name)
         (direct if _engine_carries(tensor) else pickled).append((name, tensor.detach()))
     handles = [ops.broadcast_async_(t, root, name=f"broadcast_parameters.{name}",
@@ -92,9 +93,13 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
                                 process_set=process_set)
     bad = [(r, msg) for r, msg in problems if msg]
     if bad:
-        raise ValueError("broadcast_optimizer_state: rank " + "; rank ".join(
+        raise HvdliteValueError("broadcast_optimizer_state: rank " + "; rank ".join(
             f"{r}: {msg}" for r, msg in bad))
 
+    if not description["state"]:
+        # As horovod.torch leaves them (it builds the state with a step on zero gradients):
+        # every trainable parameter without a gradient gets a zero one, frozen ones keep None.
+        _zero_missing_gradients(optimizer, params)
     handles = []
     for index, entry in description["state"].items():
         p = params[index]
@@ -118,50 +123,101 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Returns ``root_rank``'s ``obj`` on every rank (pickled; the root gets its own object
-    back). Synchronizes: the size goes first, then the bytes."""
+    back). Synchronizes: the size goes first, then the bytes.
+
+    If the root cannot pickle ``obj``, every rank raises ``ObjectPicklingError`` naming the root
+    and the reason (Note [Pickling failures travel])."""
     root = _check_root("broadcast_object", root_rank)
     name = name or "broadcast_object"
     if basics.rank() == root:
-        payload = _to_bytes(obj)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        payload, failed = _to_bytes_or_reason(obj)
+        length = torch.tensor([-payload.numel() if failed else payload.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
     ops.broadcast_(length, root, name=name + ".size", process_set=process_set)
     if basics.rank() != root:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        payload = torch.empty(abs(int(length.item())), dtype=torch.uint8)
     ops.broadcast_(payload, root, name=name + ".bytes", process_set=process_set)
+    if int(length.item()) < 0:
+        raise _pickling_error("broadcast_object", name, {root: _reason(payload)})
     return obj if basics.rank() == root else _from_bytes(payload)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Returns the list of every rank's ``obj`` (of every rank in ``process_set``), in rank
-    order (pickled). Synchronizes."""
+    order (pickled). Synchronizes.
+
+    If any rank cannot pickle its ``obj``, every rank raises ``ObjectPicklingError`` naming
+    those ranks and the reasons (Note [Pickling failures travel])."""
     name = name or "allgather_object"
-    payload = _to_bytes(obj)
-    h_sizes = ops.allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
+    payload, failed = _to_bytes_or_reason(obj)
+    size = -payload.numel() if failed else payload.numel()
+    h_sizes = ops.allgather_async(torch.tensor([size], dtype=torch.int64),
                                   name=name + ".sizes", process_set=process_set)
     h_bytes = ops.allgather_async(payload, name=name + ".bytes", process_set=process_set)
     sizes, data = ops._synchronize_all([h_sizes, h_bytes])
-    result, start = [], 0
+    pieces, start = [], 0
     for size in sizes.tolist():
-        result.append(_from_bytes(data[start:start + size]))
-        start += size
-    return result
+        pieces.append((size < 0, data[start:start + abs(size)]))
+        start += abs(size)
+    ranks = _set_ranks(process_set)
+    failures = {ranks[i]: _reason(piece) for i, (bad, piece) in enumerate(pieces) if bad}
+    if failures:
+        raise _pickling_error("allgather_object", name, failures)
+    return [_from_bytes(piece) for _, piece in pieces]
 
 
 # ---- helpers -----------------------------------------------------------------------------------
 
 def _check_root(fn, root_rank):
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
-        raise TypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
+        raise HvdliteTypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
     if not 0 <= root_rank < basics.size():
-        raise ValueError(f"{fn}: root_rank {root_rank} is out of range for a job of "
+        raise HvdliteValueError(f"{fn}: root_rank {root_rank} is out of range for a job of "
                          f"{basics.size()} ranks")
     return int(root_rank)
 
 
 def _engine_carries(tensor):
     return tensor.layout == torch.strided and tensor.dtype in _CARRIED_DTYPES
+
+
+# Note [Pickling failures travel]
+# An object that cannot be pickled is a local error on one rank, but the other ranks are
+# already waiting in the same collective: raising only there would leave them waiting until the
+# stall check gives up. So the rank sends the reason in place of the bytes, marked by a
+# negative length, and every rank raises the same error at once, naming the rank(s).
+
+
+def _to_bytes_or_reason(obj):
+    """(payload, False), or (the reason pickling failed as utf-8 bytes, True)."""
+    try:
+        return _to_bytes(obj), False
+    except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError, ...
+        reason = f"{type(exc).__name__}: {exc}"[:2000]
+        return torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8), True
+
+
+def _reason(payload):
+    return payload.numpy().tobytes().decode(errors="replace")
+
+
+def _pickling_error(fn, name, failures):
+    described = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+    return ObjectPicklingError(f"{fn} '{name}': could not pickle the object on {described}",
+                               op=fn, tensor_name=name, ranks=sorted(failures), reason=described)
+
+
+def _set_ranks(process_set):
+    ranks = process_set.ranks if process_set is not None else None
+    return ranks if ranks is not None else list(range(basics.size()))
+
+
+def _zero_missing_gradients(optimizer, params):
+    sparse = isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.SparseAdam)
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
 
 
 def _to_bytes(obj):

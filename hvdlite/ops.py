@@ -21,6 +21,7 @@ from ._checks import (  # noqa: F401 (also used by other modules as ops.*)
     _resolve_op)
 from ._native import _core
 from .adasum import adasum
+from .exceptions import HvdliteTypeError, HvdliteValueError
 from .process_sets import ProcessSet, global_process_set
 
 # Collective kinds of csrc/types.h.
@@ -40,6 +41,20 @@ class _Pending:
         self.finish = finish  # list of (tensor, aux) from the engine -> what synchronize() returns
 
 
+class CallableHandle(int):
+    """The handle of ``sparse_allreduce_async``: an int like every handle (``poll`` and
+    ``synchronize`` take it), and, as in horovod.torch, callable: ``handle()`` waits and returns
+    the result, like ``synchronize(handle)``."""
+
+    __slots__ = ()
+
+    def __call__(self):
+        return synchronize(self)
+
+    def __repr__(self):
+        return f"CallableHandle({int(self)})"
+
+
 class _Combined:
     """A handle made of other handles (sparse_allreduce_async): synchronize() waits for all of
     them, then returns finish(their results)."""
@@ -57,13 +72,13 @@ def _runtime(fn, process_set):
     if process_set is None or process_set is global_process_set:
         return state, state.sets[0]
     if not isinstance(process_set, ProcessSet):
-        raise TypeError(f"{fn}: process_set must be a hvdlite.ProcessSet, got {type(process_set).__name__}")
+        raise HvdliteTypeError(f"{fn}: process_set must be a hvdlite.ProcessSet, got {type(process_set).__name__}")
     try:
         runtime = process_set._runtime()
     except ValueError as exc:
-        raise ValueError(f"{fn}: {exc}") from None
+        raise HvdliteValueError(f"{fn}: {exc}") from None
     if runtime.engine is None:
-        raise ValueError(f"{fn}: rank {state.topology.rank} is not in {process_set!r}")
+        raise HvdliteValueError(f"{fn}: rank {state.topology.rank} is not in {process_set!r}")
     return state, runtime
 
 
@@ -79,7 +94,7 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
         if runtime.groups[2] is None:
             _no_nccl(fn)
         if len(devices) > 1:
-            raise ValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
+            raise HvdliteValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
     try:
         if single and not group and not splits:  # the lean path of every per-tensor call
             core_handles = (runtime.engine.enqueue_one(kind, inputs[0], outputs[0], names[0], op,
@@ -95,7 +110,7 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
 
 
 def _no_nccl(fn):
-    raise ValueError(f"{fn}: CUDA tensors need an NCCL process group, and this job has none "
+    raise HvdliteValueError(f"{fn}: CUDA tensors need an NCCL process group, and this job has none "
                      "(torch.cuda.is_available() was False at hvdlite.init())")
 
 
@@ -161,7 +176,7 @@ def _adasum(fn, tensors, in_place, name, pre, post, process_set, grouped):
     results = []
     for i, t in enumerate(tensors):
         if not t.dtype.is_floating_point:
-            raise TypeError(f"{fn}: op=Adasum needs floating-point tensors, got {t.dtype}")
+            raise HvdliteTypeError(f"{fn}: op=Adasum needs floating-point tensors, got {t.dtype}")
         out = adasum(t * pre if pre != 1.0 else t, f"{base}.{i}" if grouped else base, runtime.rank,
                      runtime.size, exchange, gather)
         if post != 1.0:
@@ -313,11 +328,12 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """Starts reducing a sparse COO tensor over the set, as horovod.torch does: every rank's
-    indices and values are allgathered, and ``synchronize()`` returns the sparse sum (divided by
-    the set's size for Average), uncoalesced. Only Sum and Average."""
+    indices and values are allgathered, and the result is the sparse sum (divided by the set's
+    size for Average), uncoalesced. Only Sum and Average. Returns a handle that is called to
+    wait for the result (``handle()``, as in horovod.torch); ``synchronize(handle)`` works too."""
     fn = "sparse_allreduce_async"
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
-        raise TypeError(f"{fn}: expected a sparse COO tensor, got "
+        raise HvdliteTypeError(f"{fn}: expected a sparse COO tensor, got "
                         f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tensor.layout}")
     op = _resolve_op(fn, None, op, allowed=(Average, Sum))
     name = _check_name(fn, name) or f"hvdlite.sparse.{next(_runtime(fn, process_set)[1].name_ids)}"
@@ -334,7 +350,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         return torch.sparse_coo_tensor(indices.t(), values, t.shape)
 
     state = _state.current()
-    handle = next(state.handle_ids)
+    handle = CallableHandle(next(state.handle_ids))
     state.handles[handle] = _Combined([h_indices, h_values], finish)
     return handle
 
@@ -439,10 +455,11 @@ def join(device=-1):
 
     Until every rank has joined, a joined rank keeps taking part in the other ranks'
     collectives: it contributes zeros to sums (the op's identity to Min, Max and Product) and no
-    rows to allgather and alltoall. Averages divide by the size of the set, as horovod.torch
-    and DDP's Join do (so with 2 ranks and one joined, the average is t / 2);
-    HVDLITE_JOIN_AVERAGE=contributors divides by the ranks that contributed instead. A
-    broadcast whose root has joined fails. Blocks until all ranks have joined.
+    rows to alltoall. Averages divide by the size of the set, as horovod.torch and DDP's Join
+    do (so with 2 ranks and one joined, the average is t / 2); HVDLITE_JOIN_AVERAGE=contributors
+    divides by the ranks that contributed instead. An allgather or broadcast while a rank has
+    joined raises MismatchError on the ranks that called it, as in horovod.torch (the job goes
+    on). Blocks until all ranks have joined; every rank gets the same answer.
     ``device`` is accepted for horovod.torch compatibility and ignored.
     """
     handle = _submit("join", None, _JOIN, [torch.empty(0)], [None], ["hvdlite.join"],
@@ -459,7 +476,7 @@ def poll(handle):
     if type(pending) is tuple:  # (core handle, tensor): see synchronize
         return state.sets[0].engine.poll(pending[0])
     if pending is None:
-        raise ValueError(f"poll: unknown handle {handle!r} (already synchronized?)")
+        raise HvdliteValueError(f"poll: unknown handle {handle!r} (already synchronized?)")
     if isinstance(pending, _Combined):
         return all(poll(h) for h in pending.handles)
     return all(pending.engine.poll(h) for h in pending.core_handles)
@@ -495,7 +512,7 @@ def synchronize(handle):
             raise _state.explain(exc, state, engine)
         return pending[1]
     if pending is None:
-        raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
+        raise HvdliteValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
     if isinstance(pending, _Combined):
         return pending.finish(_synchronize_all(pending.handles))
     try:

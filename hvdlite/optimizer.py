@@ -38,6 +38,7 @@ import torch
 from . import ops
 from .basics import split_list
 from .compression import Compression
+from .exceptions import HvdliteTypeError, HvdliteValueError
 from .process_sets import global_process_set
 
 
@@ -88,10 +89,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Note: torch.optim.Optimizer.__init__ is deliberately not called: the wrapped optimizer
         # owns param_groups and state, and the properties below hand out its objects.
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError("DistributedOptimizer: expected a torch.optim.Optimizer, got "
+            raise HvdliteTypeError("DistributedOptimizer: expected a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("DistributedOptimizer: the optimizer is already a DistributedOptimizer")
+            raise HvdliteTypeError("DistributedOptimizer: the optimizer is already a DistributedOptimizer")
         if isinstance(groups, int) and not isinstance(groups, bool):
             groups, num_groups = None, groups  # horovod.torch passes num_groups this way too
         _check_options(op, gradient_predivide_factor, backward_passes_per_step, compression)
@@ -177,6 +178,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def sparse_as_dense(self):
         return self._sparse_as_dense
 
+    @property
+    def _parameter_names(self):
+        """parameter -> its name (from ``named_parameters``, else "group<g>.param<i>"), unique
+        and equal on every rank; horovod.torch's wrapper has this dict and scripts read it."""
+        return {p: name[len("grad."):] for p, name in self._names.items()}
+
     def set_backward_passes_per_step(self, passes):
         """Changes how many backward passes accumulate locally per reduction (as horovod.torch);
         the passes counted so far start again."""
@@ -224,9 +231,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
-                    "optimizer.step() called after optimizer.synchronize() without the "
-                    "optimizer.skip_synchronize() context: horovod.torch would reduce the gradients "
-                    "twice (hvdlite does not); use `with optimizer.skip_synchronize(): "
+                    "optimizer.step() called without optimizer.skip_synchronize() after "
+                    "optimizer.synchronize(): hvdlite does not reduce the gradients a second time, "
+                    "but say what you mean with `with optimizer.skip_synchronize(): "
                     "optimizer.step()` after synchronize()", UserWarning, stacklevel=2)
             else:
                 self.synchronize()
@@ -331,14 +338,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 name = f"group{g}.param{i}"
             name = "grad." + name
             if name in taken:
-                raise ValueError(f"DistributedOptimizer: two parameters are both named '{name}'")
+                raise HvdliteValueError(f"DistributedOptimizer: two parameters are both named '{name}'")
             taken.add(name)
             self._names[p] = name
             self._passes[p] = 0
             self._hook_handles.append(p.register_post_accumulate_grad_hook(
                 _make_hook(weakref.ref(self))))
         if unnamed:
-            raise ValueError(
+            raise HvdliteValueError(
                 "DistributedOptimizer: named_parameters was given, but these parameters of the "
                 f"optimizer are not in it: {', '.join(unnamed)}. Pass model.named_parameters() "
                 "of the model that owns every parameter of the optimizer.")
@@ -397,10 +404,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         sent, contexts = [], []
         for p in dense:
-            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            # sparse_as_dense: reduced dense, handed back sparse (SparseAdam needs it so)
+            sparse_dim = p.grad.sparse_dim() if p.grad.is_sparse else None
+            if sparse_dim is not None:
+                self._sparse_dims[p] = sparse_dim  # an unused step then contributes sparse zeros
+            grad = p.grad.to_dense() if sparse_dim is not None else p.grad
             wire, ctx = self._compression.compress(grad)
             sent.append(wire)
-            contexts.append((ctx, wire is not p.grad))
+            contexts.append((ctx, wire is not p.grad, sparse_dim))
         pre, post = self._scale_factors()
         if not grouped:
             handle = ops.allreduce_async_(sent[0], name=group_name, op=self._op,
@@ -413,10 +424,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compression = self._compression
 
         def finish(_result):
-            for p, wire, (ctx, copied) in zip(dense, sent, contexts):
+            for p, wire, (ctx, copied, sparse_dim) in zip(dense, sent, contexts):
                 if copied:
                     result = compression.decompress(wire, ctx)
-                    if p.grad.is_sparse or p.grad.shape != result.shape:
+                    if sparse_dim is not None:
+                        p.grad = result.to_sparse(sparse_dim)
+                    elif p.grad.is_sparse or p.grad.shape != result.shape:
                         p.grad = result
                     else:
                         p.grad.copy_(result)
@@ -479,19 +492,19 @@ def _remove_hooks(handles):
 
 def _check_options(op, predivide, passes, compression):
     if op not in (ops.Average, ops.Sum, ops.Adasum) or isinstance(op, bool):
-        raise ValueError("DistributedOptimizer: op must be hvdlite.Average, hvdlite.Sum or "
+        raise HvdliteValueError("DistributedOptimizer: op must be hvdlite.Average, hvdlite.Sum or "
                          f"hvdlite.Adasum, got {op!r}")
     if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
-        raise ValueError("DistributedOptimizer: gradient_predivide_factor must be a positive "
+        raise HvdliteValueError("DistributedOptimizer: gradient_predivide_factor must be a positive "
                          f"number, got {predivide!r}")
     if predivide != 1.0 and op != ops.Average:
-        raise ValueError("DistributedOptimizer: gradient_predivide_factor applies only to "
+        raise HvdliteValueError("DistributedOptimizer: gradient_predivide_factor applies only to "
                          "op=Average")
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError("DistributedOptimizer: backward_passes_per_step must be an int >= 1, "
+        raise HvdliteValueError("DistributedOptimizer: backward_passes_per_step must be an int >= 1, "
                          f"got {passes!r}")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
-        raise TypeError("DistributedOptimizer: compression must be one of hvdlite.Compression.*")
+        raise HvdliteTypeError("DistributedOptimizer: compression must be one of hvdlite.Compression.*")
 
 
 def _named_parameter_map(named_parameters):
@@ -503,11 +516,11 @@ def _named_parameter_map(named_parameters):
     for item in pairs:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
-            raise ValueError("DistributedOptimizer: named_parameters must be (name, parameter) "
+            raise HvdliteValueError("DistributedOptimizer: named_parameters must be (name, parameter) "
                              f"pairs such as model.named_parameters(); got {item!r:.80}")
         name, p = item
         if name in names:
-            raise ValueError(f"DistributedOptimizer: named_parameters names '{name}' twice; "
+            raise HvdliteValueError(f"DistributedOptimizer: named_parameters names '{name}' twice; "
                              "parameter names must be unique")
         names.add(name)
         result.setdefault(p, name)  # a tied parameter listed twice keeps its first name
@@ -518,9 +531,9 @@ def _plan_groups(names, groups, num_groups):
     """Returns (list of parameter lists, parameter -> group index)."""
     params = list(names)  # insertion order: the order of param_groups
     if groups is not None and num_groups:
-        raise ValueError("DistributedOptimizer: pass groups or num_groups, not both")
+        raise HvdliteValueError("DistributedOptimizer: pass groups or num_groups, not both")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
-        raise ValueError("DistributedOptimizer: num_groups must be an int >= 0, "
+        raise HvdliteValueError("DistributedOptimizer: num_groups must be an int >= 0, "
                          f"got {num_groups!r}")
     if groups is None:
         if not num_groups or not params:
@@ -533,13 +546,13 @@ def _plan_groups(names, groups, num_groups):
             members = []
             for p in group:
                 if not isinstance(p, torch.Tensor):
-                    raise ValueError(f"DistributedOptimizer: groups[{gi}] holds a "
+                    raise HvdliteValueError(f"DistributedOptimizer: groups[{gi}] holds a "
                                      f"{type(p).__name__}, expected parameters")
                 if p in seen:
-                    raise ValueError(f"DistributedOptimizer: a parameter ('{names.get(p, '?')}') "
+                    raise HvdliteValueError(f"DistributedOptimizer: a parameter ('{names.get(p, '?')}') "
                                      "is in more than one group")
                 if p not in names:
-                    raise ValueError(f"DistributedOptimizer: groups[{gi}] holds a parameter "
+                    raise HvdliteValueError(f"DistributedOptimizer: groups[{gi}] holds a parameter "
                                      f"(shape {list(p.shape)}) that the optimizer does not train")
                 seen.add(p)
                 members.append(p)

@@ -9,6 +9,7 @@ all ranks, in the same order, with the same ranks, also on ranks outside the set
 """
 
 from . import _groups, _state
+from .exceptions import HvdliteTypeError, HvdliteValueError
 
 
 class ProcessSet:
@@ -26,11 +27,11 @@ class ProcessSet:
             try:
                 ranks = [int(r) for r in ranks]
             except (TypeError, ValueError):
-                raise TypeError(f"ProcessSet: ranks must be a sequence of ints, got {ranks!r}") from None
+                raise HvdliteTypeError(f"ProcessSet: ranks must be a sequence of ints, got {ranks!r}") from None
             if not ranks:
-                raise ValueError("ProcessSet: a process set needs at least one rank")
+                raise HvdliteValueError("ProcessSet: a process set needs at least one rank")
             if len(set(ranks)) != len(ranks):
-                raise ValueError(f"ProcessSet: ranks {ranks} contain duplicates")
+                raise HvdliteValueError(f"ProcessSet: ranks {ranks} contain duplicates")
             self._ranks = sorted(ranks)
         self.process_set_id = 0 if ranks is None else None
         self._generation = None  # the init() generation it was added in (Note [Generations])
@@ -56,10 +57,10 @@ class ProcessSet:
         if self._global:
             return state.sets[0]
         if self.process_set_id is None or self.process_set_id not in state.sets:
-            raise ValueError(f"{self!r} has not been added: call hvdlite.add_process_set() on every rank")
+            raise HvdliteValueError(f"{self!r} has not been added: call hvdlite.add_process_set() on every rank")
         if self._generation != state.generation:
             # Set ids restart with every init(); this object's id would name another set.
-            raise ValueError(f"{self!r} was added before hvdlite.shutdown(); process sets do not "
+            raise HvdliteValueError(f"{self!r} was added before hvdlite.shutdown(); process sets do not "
                              "survive a restart: add it again after init()")
         return state.sets[self.process_set_id]
 
@@ -97,17 +98,17 @@ def add_process_set(process_set):
         process_set = ProcessSet(process_set)
     state = _state.current()
     if process_set._global:
-        raise ValueError("add_process_set: the global process set always exists")
+        raise HvdliteValueError("add_process_set: the global process set always exists")
     if (process_set.process_set_id is not None and process_set._generation == state.generation
             and process_set.process_set_id in state.sets):
-        raise ValueError(f"add_process_set: {process_set!r} was already added")
+        raise HvdliteValueError(f"add_process_set: {process_set!r} was already added")
     if any(runtime.ranks == process_set.ranks for sid, runtime in state.sets.items() if sid != 0):
-        raise ValueError(f"add_process_set: a process set with ranks {process_set.ranks} is already "
+        raise HvdliteValueError(f"add_process_set: a process set with ranks {process_set.ranks} is already "
                          "registered")
     size = state.topology.size
     bad = [r for r in process_set.ranks if not 0 <= r < size]
     if bad:
-        raise ValueError(f"add_process_set: ranks {bad} are outside a job of {size} ranks")
+        raise HvdliteValueError(f"add_process_set: ranks {bad} are outside a job of {size} ranks")
     set_id = next(state.set_ids)
     me = state.topology.rank
     engine, groups, rank = None, (), -1

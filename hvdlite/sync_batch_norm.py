@@ -29,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import basics
 from . import ops
+from .exceptions import HvdliteTypeError, HvdliteValueError
 
 # Half-precision inputs are normalized in float32, like torch's own batch_norm kernels.
 _UPCAST = (torch.float16, torch.bfloat16)
@@ -73,7 +74,7 @@ def _global_stats(x, process_set):
     m2s = gathered[:, channels + 1:]
     total = float(counts.sum())
     if total <= 1:
-        raise ValueError(
+        raise HvdliteValueError(
             f"SyncBatchNorm: expected more than 1 value per channel when training, got "
             f"{int(total)} over all ranks (this rank's input has size {list(x.shape)})")
     mean = (counts * means).sum(0) / total
@@ -147,10 +148,10 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input):
         if not 2 <= input.dim() <= 5:
-            raise ValueError(f"SyncBatchNorm: expected a 2D to 5D input (N, C, ...), got "
+            raise HvdliteValueError(f"SyncBatchNorm: expected a 2D to 5D input (N, C, ...), got "
                              f"{input.dim()}D input of size {list(input.shape)}")
         if input.size(1) != self.num_features:
-            raise ValueError(f"SyncBatchNorm: expected {self.num_features} channels in "
+            raise HvdliteValueError(f"SyncBatchNorm: expected {self.num_features} channels in "
                              f"dimension 1, got input of size {list(input.shape)}")
 
     def _momentum_factor(self):

@@ -7,6 +7,7 @@ import hvdlite as hvd
 from tests.harness import run_ranks
 
 SHAPES = [(7,), (3, 5), (1,), (64, 3)]
+ZERO_SQUARED_NORM = 2.2250738585072014e-308 ** 0.5  # Horovod's: sqrt(DBL_MIN)
 
 
 def _inputs(size, shape, seed):
@@ -18,8 +19,8 @@ def reference(vectors):
     """The Adasum tree in one process: level k combines the blocks of 2^k ranks pairwise."""
     def combine(a, b):
         dot, an, bn = (a * b).sum(), (a * a).sum(), (b * b).sum()
-        ac = 1 - dot / (2 * an) if an >= 1e-8 else 1.0
-        bc = 1 - dot / (2 * bn) if bn >= 1e-8 else 1.0
+        ac = 1 - dot / (2 * an) if an >= ZERO_SQUARED_NORM else 1.0
+        bc = 1 - dot / (2 * bn) if bn >= ZERO_SQUARED_NORM else 1.0
         return ac * a + bc * b
     level = list(vectors)
     while len(level) > 1:
@@ -96,3 +97,32 @@ def test_adasum_optimizer_trains_the_digits_example_like_averaging_does():
     (avg_acc, _), _ = run_ranks(2, __name__, "_train_digits", "Average", timeout=180)
     print(f"digits, 25 epochs on 2 ranks: Adasum {acc0:.3f}, Average {avg_acc:.3f}")
     assert acc0 > 0.9 and acc0 > avg_acc - 0.02, (acc0, avg_acc)
+
+
+def _tiny_norms():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    out = {}
+    for norm in (1e-6, 1e-30):
+        # the same vector on every rank: Adasum(v, v) = v / 2 + v / 2 = v, at every level
+        same = torch.tensor([3.0, -4.0], dtype=torch.float64) / 5 * norm
+        out[("same", norm)] = hvd.allreduce(same, op=hvd.Adasum, name=f"same.{norm}").tolist()
+        # orthogonal vectors (one axis per rank): Adasum is their plain sum
+        axis = torch.zeros(size, dtype=torch.float64)
+        axis[rank] = norm
+        out[("orthogonal", norm)] = hvd.allreduce(axis, op=hvd.Adasum, name=f"orth.{norm}").tolist()
+        out[("float32", norm)] = hvd.allreduce(same.float(), op=hvd.Adasum, name=f"f32.{norm}").tolist()
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_adasum_of_tiny_gradients_is_not_a_plain_sum(size):
+    # Norms of 1e-6 and 1e-30 are small but not zero: Horovod combines them like any other
+    # (before, a squared norm below 1e-8 counted as zero and the result was size x too large).
+    for out in run_ranks(size, __name__, "_tiny_norms", timeout=120):
+        for norm in (1e-6, 1e-30):
+            want = [0.6 * norm, -0.8 * norm]
+            assert out[("same", norm)] == pytest.approx(want, rel=1e-12), (norm, out)
+            assert out[("float32", norm)] == pytest.approx(want, rel=1e-6), (norm, out)
+            assert out[("orthogonal", norm)] == pytest.approx([norm] * size, rel=1e-12), (norm, out)

@@ -111,7 +111,9 @@ def _gradients():
     mean = sum(ref) / size
     loss = sum((mean[sum(counts[:r]):sum(counts[:r + 1])] * w[r]).sum() for r in range(size))
     loss.backward()
-    checks["reducescatter"] = torch.allclose(xs[rank].grad, ref[rank].grad)
+    # horovod.torch's rule (Note [Reducescatter gradient]): the set's size times the gradient
+    # of the sum of every rank's loss
+    checks["reducescatter"] = torch.allclose(xs[rank].grad, ref[rank].grad * size)
     hvd.shutdown()
     return checks
 

@@ -102,10 +102,10 @@ def _fuzz(count):
         try:
             out = _run_case(c, rank, size)
             outcomes.append(("ok", out if not isinstance(out, tuple) else out[0]))
+        except (TypeError, ValueError) as exc:  # a bad call (also an HvdliteError: a RuntimeError)
+            outcomes.append(("local", str(exc)))
         except hvd.HvdliteError as exc:
             outcomes.append((type(exc).__name__, str(exc)))
-        except (TypeError, ValueError) as exc:
-            outcomes.append(("local", str(exc)))
         if index % 10 == 9:
             check = hvd.allreduce(torch.tensor([float(rank + index)]), op=hvd.Sum, name=f"check.{index}")
             assert check.item() == 2 * index + 1, f"corrupted after case {index}: {check}"
