@@ -467,7 +467,11 @@ ReadyItem Controller::MakeReady(Pending& pending) {
     for (int r : item.joined) joined += (joined.empty() ? "" : ", ") + std::to_string(r);
     item.status = mismatch("not supported while " + std::string(item.joined.size() == 1 ? "rank " : "ranks ") +
                                joined + (item.joined.size() == 1 ? " has" : " have") +
-                               " joined (a joined rank has no tensor to contribute); call it before join()",
+                               " joined (a joined rank has no tensor to contribute); call it before join()" +
+                               std::string(request.kind == CollectiveKind::kAllgather
+                                               ? " (DistributedOptimizer sends sparse gradients by allgather: "
+                                                 "pass sparse_as_dense=True)"
+                                               : ""),
                            item.joined);
   } else if (request.kind == CollectiveKind::kAllgather) {
     item.rank_dim0.assign(size_, 0);

@@ -71,6 +71,7 @@ def main(argv=None):
     def train(state):
         while state.epoch < args.epochs:
             model.train()
+            state.sampler.set_epoch(state.epoch)  # a new shuffle; the same epoch keeps its progress
             for state.batch, (x, y) in enumerate(loader, start=state.batch):
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(x), y)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _liveness
 from ._native import _core
-from .exceptions import HvdliteTypeError, HvdliteValueError, RankFailureError
+from .exceptions import RankFailureError
 
 # Note [Process group timeout]: the engine only starts a data collective once negotiation has
 # shown every rank is ready, and an idle engine still joins a negotiation round every heartbeat,
@@ -56,7 +56,7 @@ def _timeout():
         if not seconds > 0:
             raise ValueError
     except ValueError:
-        raise HvdliteValueError(f"invalid HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS={value!r}: expected seconds > 0") from None
+        raise ValueError(f"invalid HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS={value!r}: expected seconds > 0") from None
     return datetime.timedelta(seconds=seconds)
 
 

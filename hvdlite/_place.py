@@ -4,8 +4,9 @@ Note [Cross ranks]
 Ranks are numbered host by host. A rank's local rank counts the ranks before it on its host,
 its local size is the number of ranks on its host. The cross communicator of a rank groups the
 ranks that share its local rank, one per host (horovod.torch's rule): its cross size is the
-number of hosts that have a rank with that local rank, and its cross rank is the position of
-its host among those hosts, in the order of their first rank. On hosts with different slot
+number of hosts that have a rank with that local rank, and its cross rank is its position
+among those ranks in rank order (as an MPI split by local rank keyed by rank; with ranks
+numbered host by host, the host's position). On hosts with different slot
 counts these differ from "host index" and "number of hosts": with -H a:2,b:1, local rank 0 has
 cross size 2 (a and b), local rank 1 cross size 1 (only a).
 """
@@ -39,9 +40,8 @@ def places(hosts: Sequence[str], local_ranks: Optional[Sequence[int]] = None) ->
     local_ranks = list(local_ranks)
     if len(local_ranks) != len(hosts):
         raise ValueError(f"{len(hosts)} hosts but {len(local_ranks)} local ranks")
-    order = list(dict.fromkeys(hosts))  # hosts in the order of their first rank
-    with_local = {}  # local rank -> the hosts that have a rank with it, in host order
-    for host, local in sorted(zip(hosts, local_ranks), key=lambda hl: order.index(hl[0])):
+    with_local = {}  # local rank -> the hosts that have a rank with it, in rank order
+    for host, local in zip(hosts, local_ranks):
         peers = with_local.setdefault(local, [])
         if host not in peers:
             peers.append(host)

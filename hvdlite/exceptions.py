@@ -6,6 +6,8 @@ tensor, the ranks and what differs); :func:`_from_status` turns them into these 
 same exception is raised on every rank involved.
 """
 
+import pickle
+
 __all__ = [
     "HvdliteError",
     "HorovodInternalError",
@@ -78,7 +80,7 @@ class HvdliteNotImplementedError(HvdliteValueError, NotImplementedError):
     there; it is a ``ValueError`` too."""
 
 
-class ObjectPicklingError(HvdliteError):
+class ObjectPicklingError(HvdliteError, pickle.PicklingError):
     """``broadcast_object`` / ``allgather_object``: a rank could not pickle its object; raised on
     every rank of the collective, naming the ranks (``ranks``) and why."""
 

@@ -195,7 +195,7 @@ def _to_bytes_or_reason(obj):
         return _to_bytes(obj), False
     except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError, ...
         reason = f"{type(exc).__name__}: {exc}"[:2000]
-        return torch.frombuffer(bytearray(reason.encode()), dtype=torch.uint8), True
+        return torch.frombuffer(bytearray(reason.encode(errors="replace")), dtype=torch.uint8), True
 
 
 def _reason(payload):

@@ -71,8 +71,8 @@ def plan_generation(survivors: Sequence[Tuple[int, str]], newcomers: Sequence[Tu
     ranks; `newcomers` (worker id, host) in the order they were started. Survivors keep their
     relative order and come first, so the new rank 0 is a survivor (it holds the state the
     others sync from). Beyond `max_np`, the last workers are left out. Local ranks count the
-    workers of each host in rank order; cross ranks number the hosts that have a worker with
-    the same local rank, in the order of their first rank (as hvdliterun's fixed jobs do).
+    workers of each host in rank order; cross ranks by Note [Cross ranks] (hvdlite/_place.py),
+    as hvdliterun's fixed jobs.
     Returns ({worker id: Place}, [left-out worker ids]).
     """
     ordered = list(survivors) + list(newcomers)

@@ -21,16 +21,19 @@ import functools
 import sys
 
 from .. import _elastic_worker, basics
-from ..exceptions import HostsUpdatedInterrupt, HvdliteError, MismatchError, NotInitializedError
+from ..exceptions import (HostsUpdatedInterrupt, HvdliteError, MismatchError, NotInitializedError,
+                          ObjectPicklingError)
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
 
-# Errors that a reset cures: a peer failed or the engine was stopped under the step. A mismatch
-# is a bug in the script and would come back after every reset, so it is raised.
+# Errors that a reset cures: a peer failed or the engine was stopped under the step. A mismatch,
+# a bad call (HvdliteValueError, HvdliteTypeError, ...: ValueError or TypeError) or an object
+# that cannot be pickled is a bug in the script and would come back after every reset, so it
+# is raised.
 _RESETTABLE = (HvdliteError,)
-_NOT_RESETTABLE = (MismatchError, NotInitializedError)
+_NOT_RESETTABLE = (MismatchError, NotInitializedError, ValueError, TypeError, ObjectPicklingError)
 
 
 def _reset(state, reason, lost):
@@ -86,6 +89,11 @@ def run(func):
                 if reset is not None:
                     _reset(state, *reset)
                 state.sync()
+                # Note [Commit after sync]: every rank now holds rank 0's state; saving it makes
+                # it every rank's commit, so a rank that joined in this generation (or one that
+                # received a durable copy) rolls back to it, not to what it was built with, if
+                # rank 0 is lost before the next commit().
+                state.save()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt:
                 reset = ("hosts", ())

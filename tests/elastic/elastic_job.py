@@ -23,10 +23,11 @@ N = int(os.environ.get("ELASTIC_SAMPLES", "192"))
 BATCH = 4
 EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "2"))
 STEP_SECONDS = float(os.environ.get("ELASTIC_STEP_SECONDS", "0.05"))
-COMMIT_EVERY = 3
+COMMIT_EVERY = int(os.environ.get("ELASTIC_COMMIT_EVERY", "3"))  # batches (and each epoch's end)
 OUT = os.environ["ELASTIC_OUT"]
 CRASH_HOST = os.environ.get("ELASTIC_CRASH_HOST")  # its workers exit 3 after two steps
 HANG_HOST = os.environ.get("ELASTIC_HANG_HOST")  # its workers stop answering after four steps
+BAD_CALL = os.environ.get("ELASTIC_BAD_CALL")  # every rank makes a bad call after two steps
 
 torch.set_num_threads(1)
 hvd.init()
@@ -83,6 +84,8 @@ def loop(state):
             crash_countdown[0] -= 1
             if CRASH_HOST == os.environ.get("HVDLITE_HOSTNAME") and crash_countdown[0] <= 0:
                 os._exit(3)
+            if BAD_CALL and crash_countdown[0] <= 0:
+                hvd.reducescatter(torch.ones(hvd.size(), 2), op=hvd.Adasum)
             if HANG_HOST == os.environ.get("HVDLITE_HOSTNAME") and crash_countdown[0] <= -2:
                 time.sleep(3600)
             if state.batch % COMMIT_EVERY == 0:

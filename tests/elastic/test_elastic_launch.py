@@ -207,3 +207,31 @@ def test_every_host_blacklisted_for_good_stops_at_once(elastic_runs):
     assert code != 0, out
     assert "every host the discovery script reports (127.0.0.3) is blacklisted for good" in out, out
     assert "waiting up to" not in out, out
+
+
+def test_a_bad_call_fails_the_job_instead_of_resetting_it(elastic_runs):
+    # An argument error is a bug in the script: every reset would meet it again
+    run = _start(elastic_runs, ["127.0.0.1:2"], env={"ELASTIC_BAD_CALL": "1"})
+    code, out = run.finish(timeout=60)
+    assert code != 0, out
+    assert "op=Adasum is not supported here" in out, out
+    assert "generation 1" not in out, out
+
+
+def test_workers_that_joined_in_the_last_generation_keep_its_state(elastic_runs):
+    # Note [Commit after sync]: the workers added in generation 1 hold its synced state as their
+    # commit, so losing every older worker before the next commit() does not send training back
+    # to what the new workers were built with (epoch 0, batch 0).
+    # commits only at the end of an epoch, so none falls between the new generation and the kill
+    run = _start(elastic_runs, ["127.0.0.1:2"], step_seconds=0.2, env={"ELASTIC_COMMIT_EVERY": "1000"})
+    run.wait_steps(8, size=2)
+    run.set_hosts(["127.0.0.1:2", "127.0.0.2:2"])
+    run.wait_steps(1, size=4)
+    joined = min(run.steps(size=4), key=lambda e: e["t"])
+    killed_at = run.kill(run.pids_on("127.0.0.1"))
+    code, out = run.finish()
+    assert code == 0, out
+    after = [e for e in run.steps(host="127.0.0.2") if e["t"] > killed_at]
+    first = min(after, key=lambda e: e["t"])
+    assert (first["epoch"], first["batch"]) >= (joined["epoch"], joined["batch"]), (joined, first)
+    run.check_every_sample_once_per_epoch()

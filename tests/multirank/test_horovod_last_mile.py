@@ -53,6 +53,7 @@ class _ModelWithFrozenParameter(torch.nn.Module):
 
 def check_broadcast_optimizer_state_skips_a_frozen_parameter():
     model = _ModelWithFrozenParameter()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # the int32 frozen one included
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.001),
                                    named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(opt, root_rank=0)

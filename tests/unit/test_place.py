@@ -20,9 +20,9 @@ def test_uneven_hosts_group_the_ranks_that_share_a_local_rank():
 
 
 def test_launcher_local_ranks_and_interleaved_hosts():
-    # local ranks from a launcher (in the order it gave them), hosts in the order of first rank
+    # local ranks from a launcher; within one local rank, cross ranks follow the ranks' order
     got = places(["b", "a", "b", "a"], local_ranks=[1, 0, 0, 1])
-    assert [(p.cross_rank, p.cross_size) for p in got] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [(p.cross_rank, p.cross_size) for p in got] == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
 def test_the_launchers_assignment_uses_the_same_rule():
