@@ -38,8 +38,10 @@ import json
 import os
 import threading
 
+from ._job import keys
+from ._job.rendezvous import LauncherStore
+
 HOSTS_UPDATED = "updating the job's hosts (elastic training; every rank resets)"
-DURABLE_KEY = "elastic/durable"  # the same key as runner/elastic.py's
 
 _ASSIGN_SLACK_SECONDS = 60.0
 
@@ -79,13 +81,14 @@ class ElasticAbort(RuntimeError):
     """The launcher stopped the elastic job (reset limit, too few slots); names why."""
 
 
+def _launcher():
+    return LauncherStore.from_env(os.environ)
+
+
 def _connection():
     global _client
     if _client is None:
-        from ._rendezvous_wire import RendezvousClient
-        env = os.environ
-        _client = RendezvousClient(env["HVDLITE_RENDEZVOUS_ADDR"], int(env["HVDLITE_RENDEZVOUS_PORT"]),
-                                   env["HVDLITE_RENDEZVOUS_SECRET"], rank=-1)
+        _client = _launcher().client()
     return _client
 
 
@@ -103,8 +106,8 @@ def request_place():
         n, _requests = _requests, _requests + 1
         worker = os.environ["HVDLITE_ELASTIC_WORKER"]
         client = _connection()
-        client.call(b"SET", [f"elastic/ready/{worker}/{n}".encode(), json.dumps(_reason).encode()])
-        key = f"elastic/assign/{worker}/{n}".encode()
+        client.call(b"SET", [keys.elastic_ready(worker, n).encode(), json.dumps(_reason).encode()])
+        key = keys.elastic_assign(worker, n).encode()
         reply = json.loads(client.call(b"GET", [key, str(_timeout_ms()).encode()], _timeout_ms())[0])
         _assignment = reply
         set_reason("failure")  # until told otherwise, the next request follows a failure
@@ -113,7 +116,7 @@ def request_place():
         raise WorkerRemoved(reply.get("why", ""))
     if action != "run":
         raise ElasticAbort(f"hvdliterun stopped the elastic job: {reply.get('why', action)}")
-    from ._place import Place, environment
+    from ._job.place import Place, environment
     place = Place(*(reply[field] for field in ("rank", "size", "local_rank", "local_size",
                                                "cross_rank", "cross_size")))
     os.environ.update(environment(place, os.environ.get("HVDLITE_HOSTNAME", "")))
@@ -129,7 +132,7 @@ def record_durable_copy(path, commit):
     value = json.dumps({"path": path, "commit": commit,
                         "generation": int(os.environ.get("HVDLITE_ELASTIC_GENERATION", "-1"))})
     with _lock:
-        _connection().call(b"SET", [DURABLE_KEY.encode(), value.encode()])
+        _connection().call(b"SET", [keys.ELASTIC_DURABLE.encode(), value.encode()])
 
 
 def hosts_updated():
@@ -141,12 +144,10 @@ def watch_hosts(generation, engines):
     """Note [Hosts updated]: a helper thread that shuts the engines `engines()` returns down
     with HOSTS_UPDATED when the launcher announces new hosts during `generation`."""
     def run():
-        from ._rendezvous_wire import RendezvousClient, RendezvousError
-        env = os.environ
+        from ._rendezvous_wire import RendezvousError
         try:
-            client = RendezvousClient(env["HVDLITE_RENDEZVOUS_ADDR"], int(env["HVDLITE_RENDEZVOUS_PORT"]),
-                                      env["HVDLITE_RENDEZVOUS_SECRET"], rank=-1)
-            value = client.call(b"GET", [f"elastic/notice/{generation}".encode(), b"0"], 0)[0]
+            client = _launcher().client()
+            value = client.call(b"GET", [keys.elastic_notice(generation).encode(), b"0"], 0)[0]
             client.close()
         except RendezvousError:
             return  # the launcher went away; the engines will notice their peers

@@ -7,7 +7,7 @@ records a rank's uncaught exception: rank, host, pid, time, type, message, where
 (the innermost frame outside hvdlite and torch) and the last frames. A failure caused by a peer
 (ShutdownError, RankFailureError, a StallError naming only other ranks) is
 marked as a consequence, with the ranks it points at. The record goes
-  - to hvdliterun's rendezvous store, under `failures/<rank>` (a fresh connection from the
+  - to hvdliterun's rendezvous store, under keys.failure(rank) (a fresh connection from the
     HVDLITE_RENDEZVOUS_* variables, so it works even when init() itself failed);
   - under torchrun, to TORCHELASTIC_ERROR_FILE in torchrun's error-file format, so torchrun's
     own summary names it.
@@ -26,6 +26,8 @@ import time
 import traceback
 
 from . import exceptions
+from ._job import keys
+from ._job.rendezvous import LauncherStore
 
 _installed = False
 _reported = None  # the record of this process's failure, once reported
@@ -74,13 +76,12 @@ def record_for(exc, tb=None):
 
 def _deliver(record):
     env = os.environ
-    if env.get("HVDLITE_RENDEZVOUS_ADDR") and env.get("HVDLITE_RENDEZVOUS_SECRET"):
-        from ._rendezvous_wire import RendezvousClient, RendezvousError
+    launcher = LauncherStore.from_env(env)
+    if launcher is not None:
+        from ._rendezvous_wire import RendezvousError
         try:
-            client = RendezvousClient(env["HVDLITE_RENDEZVOUS_ADDR"], int(env["HVDLITE_RENDEZVOUS_PORT"]),
-                                      env["HVDLITE_RENDEZVOUS_SECRET"], rank=record["rank"],
-                                      connect_timeout=3.0)
-            client.call(b"SET", [f"failures/{record['rank']}".encode(), json.dumps(record).encode()])
+            client = launcher.client(rank=record["rank"], connect_timeout=3.0)
+            client.call(b"SET", [keys.failure(record["rank"]).encode(), json.dumps(record).encode()])
             client.close()
         except (RendezvousError, OSError, ValueError):
             pass  # the launcher may be gone; the exit code still tells it something

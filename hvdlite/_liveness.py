@@ -27,8 +27,8 @@ import threading
 import time
 
 from . import _netif
+from ._job import keys
 
-_KEY = "proc/{}"
 CENSUS_SECONDS = 2.0
 
 
@@ -44,11 +44,11 @@ def publish(store, prefix, rank, extra=None):
     except OSError:
         info["addr"] = ""
     info["addrs"] = _addresses()
-    store.set(prefix + _KEY.format(rank), json.dumps(info))
+    store.set(prefix + keys.proc(rank), json.dumps(info))
 
 
 def read(store, prefix, size):
-    return [json.loads(store.get(prefix + _KEY.format(r))) for r in range(size)]
+    return [json.loads(store.get(prefix + keys.proc(r))) for r in range(size)]
 
 
 def running(pid):

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Set
 
+from ._job import keys
 from ._rendezvous_wire import (  # noqa: F401  (re-exported for the launcher and tests)
     HANDSHAKE_TIMEOUT, MAGIC, _MAX_HANDSHAKE_FRAME, RendezvousClient, RendezvousError,
     RendezvousTimeout, _mac, new_secret, recv_frame, send_frame)
@@ -59,6 +60,15 @@ class _KeyTable:
     def items_ending(self, suffix: bytes) -> Dict[bytes, bytes]:
         with self._lock:
             return {k: v for k, v in self._data.items() if k.endswith(suffix)}
+
+    def put(self, key: bytes, value: bytes) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._lock.notify_all()
+
+    def peek(self, key: bytes) -> Optional[bytes]:
+        with self._lock:
+            return self._data.get(key)
 
     def handle(self, op: bytes, args: List[bytes]) -> List[bytes]:
         with self._lock:
@@ -190,11 +200,20 @@ class RendezvousServer:
         except ValueError:
             return None
 
+    # The launcher's own access to the store (no connection, no wire opcodes): keys.py's keys.
+    def set(self, key: str, value: bytes) -> None:
+        """Stores `value` under `key`, waking the ranks that wait for it."""
+        self._table.put(key.encode(), value)
+
+    def get(self, key: str) -> Optional[bytes]:
+        """The value under `key`, or None when nobody has set it (never waits)."""
+        return self._table.peek(key.encode())
+
     def failure_records(self) -> Dict[int, dict]:
         """Every rank's failure report (Note [Failure reports] in hvdlite/_failure.py)."""
         records = {}
         for key, value in self._table.items_ending(b"").items():
-            if key.startswith(b"failures/"):
+            if keys.is_failure(key.decode(errors="replace")):
                 try:
                     record = json.loads(value)
                     records[int(record["rank"])] = record
@@ -204,7 +223,7 @@ class RendezvousServer:
 
     def rank_host(self, rank: int) -> Optional[str]:
         """The host name `rank` published at hvd.init() (hvdlite/_liveness.py), if any."""
-        found = self._table.items_ending(f"/proc/{rank}".encode())
+        found = self._table.items_ending(f"/{keys.proc(rank)}".encode())
         for _, value in sorted(found.items(), reverse=True):
             try:
                 return json.loads(value).get("host")

@@ -12,7 +12,7 @@ import itertools
 import threading
 
 from . import _elastic_worker, _liveness
-from ._environment import Topology
+from ._job.launchers import Topology
 from .exceptions import NotInitializedError, RankFailureError
 
 

@@ -6,7 +6,6 @@ a TCPStore. All the wire work is in rendezvous.RendezvousClient; this file only 
 timeouts. Safe to use from several threads (the client pools its connections).
 """
 import datetime
-import os
 from typing import List, Optional, Sequence, Union
 
 import torch.distributed as dist
@@ -144,26 +143,3 @@ def connect(addr: str, port: int, secret: str, rank: int = -1, timeout=None):
     This is what hvd.init() calls.
     """
     return SecretStore(addr, port, secret, rank=rank, timeout=timeout)
-
-
-def connect_from_environ(environ=None, timeout=None):
-    """`connect` with the HVDLITE_RENDEZVOUS_* and HVDLITE_RANK variables the launcher set.
-
-    Returns None when HVDLITE_RENDEZVOUS_ADDR is not set (not started by hvdliterun).
-    """
-    env = os.environ if environ is None else environ
-    if not env.get("HVDLITE_RENDEZVOUS_ADDR"):
-        return None
-    names = ("HVDLITE_RENDEZVOUS_PORT", "HVDLITE_RENDEZVOUS_SECRET", "HVDLITE_RANK")
-    missing = [n for n in names if not env.get(n)]
-    if missing:
-        raise RendezvousError(
-            "HVDLITE_RENDEZVOUS_ADDR is set but " + ", ".join(missing) + " is not")
-    try:
-        port, rank = int(env["HVDLITE_RENDEZVOUS_PORT"]), int(env["HVDLITE_RANK"])
-    except ValueError:
-        raise RendezvousError(
-            f"HVDLITE_RENDEZVOUS_PORT={env['HVDLITE_RENDEZVOUS_PORT']!r} and "
-            f"HVDLITE_RANK={env['HVDLITE_RANK']!r} must be whole numbers") from None
-    return connect(env["HVDLITE_RENDEZVOUS_ADDR"], port, env["HVDLITE_RENDEZVOUS_SECRET"],
-                   rank=rank, timeout=timeout)

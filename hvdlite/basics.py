@@ -1,6 +1,6 @@
 """Starting and stopping hvdlite, and what a rank knows about the job.
 
-``init()`` reads the launcher's environment (see ``_environment.py``), rendezvouses, agrees on
+``init()`` reads the launcher's environment (see ``_job/launchers.py``), rendezvouses, agrees on
 the build and the job-wide settings with every other rank (``_settings.py``), creates the
 process groups the native engine uses and starts the engine (``_groups.py``). The state lives
 in ``_state.py``, created by ``init()`` and dropped by ``shutdown()``.
@@ -24,8 +24,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import _elastic_worker, _environment, _failure, _groups, _liveness, _place, _settings, _state
-from .exceptions import HvdliteTypeError, HvdliteValueError
+from . import _elastic_worker, _failure, _groups, _liveness, _settings, _state
+from ._job import keys, launchers, place as _place
+from .exceptions import HvdliteValueError
 
 
 _RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
@@ -60,12 +61,11 @@ def _store_for(rendezvous, topology):
 
 def _rendezvous(topology, rendezvous, generation):
     """Returns (store, key prefix, loopback) shared by every engine of this init()."""
-    prefix = f"hvdlite/{generation}/"
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restarts:  # torchrun --max-restarts: its store outlives the processes it restarts
-        prefix = f"hvdlite/restart{restarts}.{generation}/"
-    if _elastic_worker.enabled():  # Note [Elastic rendezvous]: the launcher numbers generations
-        prefix = f"hvdlite/e{os.environ['HVDLITE_ELASTIC_GENERATION']}/"
+    # torchrun --max-restarts: its store outlives the processes it restarts; under elastic
+    # hvdliterun the launcher numbers the generations (Note [Elastic rendezvous])
+    prefix = keys.generation_prefix(
+        generation, os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+        os.environ["HVDLITE_ELASTIC_GENERATION"] if _elastic_worker.enabled() else None)
     if dist.is_initialized():
         # The user's own init_process_group: build ours beside it, from the same store.
         if dist.get_world_size() != topology.size:
@@ -85,7 +85,7 @@ def _place_record(topology):
 
 
 def _topology_from_peers(topology, peers):
-    """Local and cross ranks by the one rule (Note [Cross ranks] in _place.py), from every
+    """Local and cross ranks by the one rule (Note [Cross ranks] in _job/place.py), from every
     rank's published host and local rank; a launcher's environment can only guess the cross
     ranks of uneven hosts. Under a plain torch.distributed job local ranks are counted too."""
     hosts = [p["place_host"] for p in peers]
@@ -119,7 +119,7 @@ def init(comm=None, process_sets=None):
             return
         if _elastic_worker.enabled():
             _elastic_worker.request_place()  # Note [Elastic rendezvous]; may exit the process
-        topology, rendezvous = _environment.detect()
+        topology, rendezvous = launchers.detect()
         if dist.is_initialized() and topology.source == "single":
             # Local and cross ranks are derived from the hosts every rank publishes, below.
             topology = dataclasses.replace(topology, rank=dist.get_rank(), size=dist.get_world_size(),

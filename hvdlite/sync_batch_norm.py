@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import basics
 from . import ops
-from .exceptions import HvdliteTypeError, HvdliteValueError
+from .exceptions import HvdliteValueError
 
 # Half-precision inputs are normalized in float32, like torch's own batch_norm kernels.
 _UPCAST = (torch.float16, torch.bfloat16)

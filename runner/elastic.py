@@ -33,7 +33,7 @@ The committed state lives in the workers' memory, and a new generation receives 
 rank 0, a survivor. When every worker of a generation is gone (failed, or its host removed)
 and only new workers remain, nobody holds the state: forming a generation of newcomers would
 silently restart training from scratch. The launcher stops the job instead, naming what was
-lost, unless a rank 0 has reported a durable copy of its last commit (the key DURABLE_KEY,
+lost, unless a rank 0 has reported a durable copy of its last commit (keys.ELASTIC_DURABLE,
 written by TorchState.keep_durable_copy): then the new generation restores that copy, and the
 launcher says so.
 """
@@ -44,6 +44,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set
+
+from hvdlite._job import keys
 
 from .config import JobConfig
 from .discovery import NetworkPlan
@@ -57,7 +59,7 @@ from .workers import WorkerGroup, stop_with_parent
 
 DISCOVERY_INTERVAL = 1.0
 DISCOVERY_TIMEOUT = 30.0
-DURABLE_KEY = "elastic/durable"  # Note [No survivor]; written by hvdlite/_elastic_worker.py
+
 
 
 class DiscoveryFailed(Exception):
@@ -162,14 +164,10 @@ class _Driver:
 
     # -- the store
     def _store_set(self, key: str, value) -> None:
-        self.server._table.handle(b"SET", [key.encode(), json.dumps(value).encode()
-                                           if not isinstance(value, bytes) else value])
+        self.server.set(key, value if isinstance(value, bytes) else json.dumps(value).encode())
 
     def _store_get(self, key: str) -> Optional[bytes]:
-        found = self.server._table.handle(b"CHECK", [key.encode()])
-        if found[1] != b"1":
-            return None
-        return self.server._table.handle(b"GET", [key.encode(), b"1"])[1]
+        return self.server.get(key)
 
     # -- starting workers
     def _rendezvous_addr(self, host: str, local: bool) -> str:
@@ -243,7 +241,7 @@ class _Driver:
         for w in self._live():
             if w.asked is not None:
                 continue
-            raw = self._store_get(f"elastic/ready/{w.wid}/{w.seq}")
+            raw = self._store_get(keys.elastic_ready(w.wid, w.seq))
             if raw is None:
                 continue
             w.asked = json.loads(raw)
@@ -254,7 +252,7 @@ class _Driver:
                                      f"{self.generation} ({w.asked.get('reason')})")
 
     def _answer(self, w: _Worker, reply: dict) -> None:
-        self._store_set(f"elastic/assign/{w.wid}/{w.seq}", reply)
+        self._store_set(keys.elastic_assign(w.wid, w.seq), reply)
         w.seq += 1
         w.asked = None
         if reply.get("action") != "run":
@@ -268,7 +266,7 @@ class _Driver:
         self.ended_generation = True
         self.reset_began = time.monotonic()
         self.log(f"ending generation {self.generation}: {why}")
-        self._store_set(f"elastic/notice/{self.generation}", b"hosts")
+        self._store_set(keys.elastic_notice(self.generation), b"hosts")
 
     def _abort(self, why: str) -> None:
         for w in self._live():
@@ -350,7 +348,7 @@ class _Driver:
                                  "durable": durable, **place.__dict__})
         self.newcomers.difference_update(places)
         if old >= 0 and not self.ended_generation:
-            self._store_set(f"elastic/notice/{old}", b"end")
+            self._store_set(keys.elastic_notice(old), b"end")
         self.ended_generation = False
         self.failed_since_formed = False
         took = "" if old < 0 else f" {time.monotonic() - self.reset_began:.2f} s after the reset began"
@@ -365,7 +363,7 @@ class _Driver:
 
     def _durable_copy(self) -> Optional[dict]:
         """The last durable copy a rank 0 reported (Note [No survivor]), or None."""
-        raw = self._store_get(DURABLE_KEY)
+        raw = self._store_get(keys.ELASTIC_DURABLE)
         return None if raw is None else json.loads(raw)
 
     def _hopeless(self, now: float) -> Optional[str]:

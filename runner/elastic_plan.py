@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hvdlite._place import Place, places
+from hvdlite._job.place import Place, places
 
 from .hosts import Host, HostSpecError, parse_host_list
 
@@ -71,7 +71,7 @@ def plan_generation(survivors: Sequence[Tuple[int, str]], newcomers: Sequence[Tu
     ranks; `newcomers` (worker id, host) in the order they were started. Survivors keep their
     relative order and come first, so the new rank 0 is a survivor (it holds the state the
     others sync from). Beyond `max_np`, the last workers are left out. Local ranks count the
-    workers of each host in rank order; cross ranks by Note [Cross ranks] (hvdlite/_place.py),
+    workers of each host in rank order; cross ranks by Note [Cross ranks] (hvdlite/_job/place.py),
     as hvdliterun's fixed jobs.
     Returns ({worker id: Place}, [left-out worker ids]).
     """
@@ -80,6 +80,6 @@ def plan_generation(survivors: Sequence[Tuple[int, str]], newcomers: Sequence[Tu
         ordered, left_out = ordered[:max_np], [w for w, _ in ordered[max_np:]]
     else:
         left_out = []
-    placed = places([h for _, h in ordered])  # Note [Cross ranks] in hvdlite/_place.py
+    placed = places([h for _, h in ordered])  # Note [Cross ranks] in hvdlite/_job/place.py
     by_worker = {worker: place for (worker, _), place in zip(ordered, placed)}
     return by_worker, left_out

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Mapping
 
-from hvdlite._place import PLACE_VARIABLES, Place, environment
+from hvdlite._job.place import PLACE_VARIABLES, Place, environment
 
 from .hosts import SlotInfo
 

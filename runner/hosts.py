@@ -7,7 +7,7 @@ in the order the hosts were given: the first host's slots get ranks 0, 1, ..., t
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from hvdlite._place import places
+from hvdlite._job.place import places
 
 
 class HostSpecError(ValueError):
@@ -112,7 +112,7 @@ def slurm_allocation(env) -> Optional[List[Host]]:
 
     Slots per host are the allocation's tasks per node when tasks were asked for (-n), else its
     CPUs per node."""
-    from hvdlite._environment import expand_slurm_nodelist, slurm_counts
+    from hvdlite._job.launchers import expand_slurm_nodelist, slurm_counts
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
         return None
@@ -153,7 +153,7 @@ def assign_slots(hosts: Sequence[Host], np: Optional[int]) -> List[SlotInfo]:
         names.extend([host.name] * min(host.slots, np - len(names)))
         if len(names) == np:
             break
-    # Local and cross ranks by the one rule (Note [Cross ranks] in hvdlite/_place.py).
+    # Local and cross ranks by the one rule (Note [Cross ranks] in hvdlite/_job/place.py).
     return [SlotInfo(hostname=name, rank=p.rank, size=p.size, local_rank=p.local_rank,
                      local_size=p.local_size, cross_rank=p.cross_rank, cross_size=p.cross_size)
             for name, p in zip(names, places(names))]

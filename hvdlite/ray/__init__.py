@@ -28,7 +28,7 @@ import time
 
 import ray
 
-from .. import _place
+from .._job import place as _place
 from .._rendezvous_server import RendezvousServer, new_secret
 
 __all__ = ["RayExecutor", "RayWorkerError"]
@@ -79,7 +79,7 @@ class _Worker:
 def places(nodes):
     """Ranks for workers placed on `nodes` (one node id per worker): returns, per worker,
     (rank, local_rank, local_size, cross_rank, cross_size), and the workers in rank order
-    (Note [Cross ranks] in hvdlite/_place.py)."""
+    (Note [Cross ranks] in hvdlite/_job/place.py)."""
     order = list(dict.fromkeys(nodes))
     by_rank = sorted(range(len(nodes)), key=lambda w: (order.index(nodes[w]), w))
     placed = _place.places([nodes[w] for w in by_rank])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hvdlite._environment import (LaunchEnvironmentError, detect, expand_slurm_nodelist,
+from hvdlite._job.launchers import (LaunchEnvironmentError, detect, expand_slurm_nodelist,
                                   first_slurm_host)
 
 

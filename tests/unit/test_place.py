@@ -1,9 +1,9 @@
-"""The one rule for a rank's place (hvdlite/_place.py, Note [Cross ranks]), and that the
+"""The one rule for a rank's place (hvdlite/_job/place.py, Note [Cross ranks]), and that the
 launcher side of the contract imports without torch."""
 import subprocess
 import sys
 
-from hvdlite._place import Place, environment, places
+from hvdlite._job.place import Place, environment, places
 from hvdlite.runner.hosts import Host, assign_slots
 
 from tests.harness import REPO
@@ -39,6 +39,6 @@ def test_environment_names_the_place_for_hvdlite_horovod_and_torchrun():
 
 
 def test_the_contract_imports_without_torch():
-    code = ("import sys, hvdlite._place, hvdlite._environment, hvdlite.runner.hosts, "
+    code = ("import sys, hvdlite._job, hvdlite._job.place, hvdlite._job.launchers, hvdlite._job.keys, hvdlite._job.rendezvous, hvdlite.runner.hosts, "
             "hvdlite.runner.environment; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import re
 
-from ._place import Place
+from .place import Place
 
 DEFAULT_PORT = 29500
 
@@ -21,7 +21,7 @@ class LaunchEnvironmentError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Topology(Place):
-    """A rank's place (Note [Cross ranks] in _place.py) and the launcher it came from."""
+    """A rank's place (Note [Cross ranks] in place.py) and the launcher it came from."""
 
     source: str  # "hvdliterun", "torchrun", "mpi", "slurm", "single" or "torch.distributed"
     # The host as the launcher knows it, where it says ("" elsewhere: the machine's name is
@@ -57,7 +57,7 @@ def _opt_int(env, name, default):
 
 def _cross(rank, size, local_rank, local_size, node_rank=None, nodes=None):
     # Provisional: init() replaces the cross rank and size by the rule of Note [Cross ranks]
-    # (_place.py) once it has read every rank's host, which an environment cannot tell.
+    # (place.py) once it has read every rank's host, which an environment cannot tell.
     cross_size = nodes if nodes is not None else max(1, -(-size // max(local_size, 1)))
     cross_rank = node_rank if node_rank is not None else rank // max(local_size, 1)
     return cross_rank, cross_size
