@@ -38,35 +38,30 @@ import json
 import os
 import threading
 
+from . import _state
 from ._job import keys
+from ._job.launchers import is_elastic_worker
 from ._job.rendezvous import LauncherStore
+from .exceptions import HOSTS_UPDATED
 
-HOSTS_UPDATED = "updating the job's hosts (elastic training; every rank resets)"
 
 _ASSIGN_SLACK_SECONDS = 60.0
 
-_lock = threading.Lock()
-_client = None
-_requests = 0
-_reason = {"reason": "start", "lost": []}
-_assignment = None
-_notified = set()  # generations whose hosts-updated notice arrived
 
 
 def enabled(environ=None):
-    return (os.environ if environ is None else environ).get("HVDLITE_ELASTIC") == "1"
+    return is_elastic_worker(os.environ if environ is None else environ)
 
 
 def assignment():
     """The launcher's answer to the latest request (None before the first)."""
-    return _assignment
+    return _state.process.elastic.assignment
 
 
 def set_reason(reason, lost=()):
     """What the next request tells the launcher: "failure" (with the ranks seen lost) or
     "hosts"."""
-    global _reason
-    _reason = {"reason": reason, "lost": sorted(set(int(r) for r in lost))}
+    _state.process.elastic.reason = {"reason": reason, "lost": sorted(set(int(r) for r in lost))}
 
 
 class WorkerRemoved(SystemExit):
@@ -86,10 +81,10 @@ def _launcher():
 
 
 def _connection():
-    global _client
-    if _client is None:
-        _client = _launcher().client()
-    return _client
+    worker = _state.process.elastic
+    if worker.client is None:
+        worker.client = _launcher().client()
+    return worker.client
 
 
 def _timeout_ms():
@@ -101,15 +96,15 @@ def request_place():
     """Steps 1 and 2 of Note [Elastic rendezvous]: returns the assignment, and on "run" puts
     the worker's new place in the environment that hvd.init() reads. Raises WorkerRemoved or
     ElasticAbort otherwise."""
-    global _requests, _assignment
-    with _lock:
-        n, _requests = _requests, _requests + 1
+    elastic = _state.process.elastic
+    with elastic.lock:
+        n, elastic.requests = elastic.requests, elastic.requests + 1
         worker = os.environ["HVDLITE_ELASTIC_WORKER"]
         client = _connection()
-        client.call(b"SET", [keys.elastic_ready(worker, n).encode(), json.dumps(_reason).encode()])
+        client.call(b"SET", [keys.elastic_ready(worker, n).encode(), json.dumps(elastic.reason).encode()])
         key = keys.elastic_assign(worker, n).encode()
         reply = json.loads(client.call(b"GET", [key, str(_timeout_ms()).encode()], _timeout_ms())[0])
-        _assignment = reply
+        elastic.assignment = reply
         set_reason("failure")  # until told otherwise, the next request follows a failure
     action = reply.get("action")
     if action == "exit":
@@ -131,13 +126,13 @@ def record_durable_copy(path, commit):
         return
     value = json.dumps({"path": path, "commit": commit,
                         "generation": int(os.environ.get("HVDLITE_ELASTIC_GENERATION", "-1"))})
-    with _lock:
+    with _state.process.elastic.lock:
         _connection().call(b"SET", [keys.ELASTIC_DURABLE.encode(), value.encode()])
 
 
 def hosts_updated():
     """True once the current generation's hosts-updated notice arrived."""
-    return enabled() and os.environ.get("HVDLITE_ELASTIC_GENERATION") in _notified
+    return enabled() and os.environ.get("HVDLITE_ELASTIC_GENERATION") in _state.process.elastic.notified
 
 
 def watch_hosts(generation, engines):
@@ -152,7 +147,7 @@ def watch_hosts(generation, engines):
         except RendezvousError:
             return  # the launcher went away; the engines will notice their peers
         if value == b"hosts":
-            _notified.add(str(generation))
+            _state.process.elastic.notified.add(str(generation))
             for engine in engines():
                 engine.shutdown(HOSTS_UPDATED)
 

@@ -25,12 +25,9 @@ import sys
 import time
 import traceback
 
-from . import exceptions
+from . import _state, exceptions
 from ._job import keys
 from ._job.rendezvous import LauncherStore
-
-_installed = False
-_reported = None  # the record of this process's failure, once reported
 
 _CONSEQUENCES = (exceptions.ShutdownError, exceptions.RankFailureError)
 
@@ -106,24 +103,24 @@ def _deliver(record):
 
 def report(exc, tb=None):
     """Reports `exc` as this rank's failure (once per process); returns the record."""
-    global _reported
-    if _reported is None:
-        _reported = record_for(exc, tb)
-        _deliver(_reported)
-    return _reported
+    process = _state.process
+    if process.failure_report is None:
+        process.failure_report = record_for(exc, tb)
+        _deliver(process.failure_report)
+    return process.failure_report
 
 
 def exit_reason():
     """Why this process shuts hvdlite down at exit, for the other ranks' errors ('' if unknown)."""
-    if _reported is None:
+    reported = _state.process.failure_report
+    if reported is None:
         return ""
-    return f"exiting after {_reported['type']}: {_reported['message']}"
+    return f"exiting after {reported['type']}: {reported['message']}"
 
 
 def install():
     """Chains a sys.excepthook that reports uncaught exceptions (idempotent)."""
-    global _installed
-    if _installed:
+    if _state.process.failure_hook_installed:
         return
     previous = sys.excepthook
 
@@ -136,4 +133,4 @@ def install():
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
-    _installed = True
+    _state.process.failure_hook_installed = True

@@ -1,17 +1,22 @@
-"""The one home of hvdlite's per-process state: what ``init()`` built, until ``shutdown()``.
+"""The one home of hvdlite's state: what ``init()`` built, until ``shutdown()``, and what
+lives as long as the process.
 
-``init()`` creates a ``_State`` and installs it with ``install()``; ``shutdown()`` takes it back
+``init()`` creates a ``State`` and installs it with ``install()``; ``shutdown()`` takes it back
 with ``take()``. Every other module reads it through ``current()``, which raises
 NotInitializedError outside init/shutdown. Each init() is a new generation (Note
 [Generations] in basics.py): objects that belong to one generation, such as a registered
-ProcessSet, check it before use.
+ProcessSet, check it before use. ``process`` holds what outlives generations (the stores kept
+for the next init(), the failure hook, the elastic worker's conversation with its launcher);
+no other module keeps mutable globals.
 """
 
 import dataclasses
 import itertools
+import os
 import threading
 
-from . import _elastic_worker, _liveness
+from . import _liveness
+from ._job import launchers
 from ._job.launchers import Topology
 from .exceptions import NotInitializedError, RankFailureError
 
@@ -56,48 +61,76 @@ class State:
         return self.store, self.prefix, self.loopback, self.settings
 
 
-lock = threading.Lock()  # held by init() and shutdown() while they build or take the state
-_state = None
+@dataclasses.dataclass
+class ElasticWorker:
+    """An elastic worker's side of its conversation with the launcher (Note [Elastic
+    rendezvous] in _elastic_worker.py), for the life of the process."""
+    lock: object = dataclasses.field(default_factory=threading.Lock)
+    client: object = None     # the connection to the launcher's store, once made
+    requests: int = 0         # requests for a place made so far
+    reason: dict = dataclasses.field(default_factory=lambda: {"reason": "start", "lost": []})
+    assignment: dict = None   # the launcher's latest answer
+    notified: set = dataclasses.field(default_factory=set)  # generations told the hosts changed
+
+
+@dataclasses.dataclass
+class Process:
+    """What lives as long as the process, across init()/shutdown() generations."""
+    lock: object = dataclasses.field(default_factory=threading.Lock)  # init() and shutdown()
+    state: State = None       # the current generation's, between init() and shutdown()
+    generations: object = dataclasses.field(default_factory=itertools.count)
+    stores: dict = dataclasses.field(default_factory=dict)  # (addr, port) -> store, for init() after shutdown()
+    open_stores: set = dataclasses.field(default_factory=set)  # Note [Keeping SecretStore alive]
+    atexit_registered: bool = False
+    failure_hook_installed: bool = False
+    failure_report: dict = None  # this process's failure, once reported (Note [Failure reports])
+    member_names: dict = dataclasses.field(default_factory=dict)  # ops: (group, count) -> names
+    elastic: ElasticWorker = dataclasses.field(default_factory=ElasticWorker)
+
+
+process = Process()
 
 
 def peek():
     """The state, or None when hvdlite is not initialized."""
-    return _state
+    return process.state
 
 
 def current():
-    state = _state
+    state = process.state
     if state is None:
         raise NotInitializedError("hvdlite is not initialized: call hvdlite.init() first")
     return state
 
 
 def install(state):
-    global _state
-    _state = state
+    process.state = state
 
 
 def take():
     """Removes and returns the state (None if there was none)."""
-    global _state
-    state, _state = _state, None
+    state, process.state = process.state, None
     return state
+
+
+def _elastic():
+    return launchers.is_elastic_worker(os.environ)
 
 
 def explain(exc, state=None, engine=None):
     """Adds what is known about a lost peer to a RankFailureError (once per init). A failure of
     the global engine (`engine` None or the global one) runs the census of Note [Failure
     census]; a process set's cannot, as ranks outside the set would not answer."""
-    state = state or _state
+    state = state or process.state
     if not isinstance(exc, RankFailureError) or state is None or getattr(exc, "_explained", False):
         return exc
     if state.failure is None:
         # Under elastic training the launcher names the lost workers, and the survivors reset
         # at once: no census (it waits for ranks that will never answer).
-        everyone = (engine is None or engine is state.engine) and not _elastic_worker.enabled()
+        everyone = (engine is None or engine is state.engine) and not _elastic()
         state.failure = _liveness.describe(state.peers, state.topology.rank, str(exc),
                                            state.store if everyone else None, state.prefix,
-                                           0.3 if _elastic_worker.enabled() else 1.0)
+                                           0.3 if _elastic() else 1.0)
     text, ranks = state.failure
     if text:
         exc.args = (f"{exc.args[0]} ({text})",) + exc.args[1:]

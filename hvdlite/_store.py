@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from . import _state
 from ._rendezvous_wire import RendezvousClient, RendezvousError, RendezvousTimeout
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
@@ -27,9 +28,8 @@ class StoreTimeoutError(_StoreError):
 # process groups hold by intrusive_ptr, and the Python object, which holds the overrides. When
 # the last *Python* reference goes (e.g. PrefixStore("p", connect(...)) with no variable), the
 # Python half is freed and every later call fails with "Not implemented" inside c10d. So each
-# open SecretStore stays in this set until close(). hvd.shutdown() does not close it: the
+# open SecretStore stays in a set (_state.process.open_stores) until close(). hvd.shutdown() does not close it: the
 # process keeps its store so that a later init() (a new generation) can rendezvous again.
-_OPEN_STORES: "set[SecretStore]" = set()
 
 
 def _as_timedelta(timeout) -> datetime.timedelta:
@@ -72,7 +72,7 @@ class SecretStore(dist.Store):
         except RendezvousError as exc:
             raise RuntimeError(str(exc)) from None
         self.addr, self.port, self.rank = addr, int(port), rank
-        _OPEN_STORES.add(self)
+        _state.process.open_stores.add(self)
 
     def __repr__(self) -> str:
         return f"SecretStore({self.addr}:{self.port}, rank={self.rank})"
@@ -131,7 +131,7 @@ class SecretStore(dist.Store):
     def close(self) -> None:
         """Close the pooled connections; later calls fail. See Note [Keeping SecretStore
         alive]: an open store is never garbage collected."""
-        _OPEN_STORES.discard(self)
+        _state.process.open_stores.discard(self)
         self._client.close()
 
 

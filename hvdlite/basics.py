@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import functools
 import ipaddress
-import itertools
 import os
 import socket
 
@@ -31,9 +30,6 @@ from .exceptions import HvdliteValueError
 
 _RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
 
-_generation = itertools.count()
-_stores = {}  # (addr, port) -> store, kept for init() after shutdown() in the same process
-_atexit_registered = False
 
 
 def _is_loopback(addr):
@@ -45,8 +41,9 @@ def _is_loopback(addr):
 
 def _store_for(rendezvous, topology):
     key = (rendezvous.addr, rendezvous.port)
-    if key in _stores:
-        return _stores[key]
+    stores = _state.process.stores  # kept for init() after shutdown() in the same process
+    if key in stores:
+        return stores[key]
     if rendezvous.secret:
         from ._store import connect
         store = connect(rendezvous.addr, rendezvous.port, rendezvous.secret, topology.rank,
@@ -55,7 +52,7 @@ def _store_for(rendezvous, topology):
         store = dist.TCPStore(rendezvous.addr, rendezvous.port, topology.size,
                               is_master=rendezvous.host_store, timeout=_RENDEZVOUS_TIMEOUT,
                               wait_for_workers=False)
-    _stores[key] = store
+    stores[key] = store
     return store
 
 
@@ -107,14 +104,13 @@ def init(comm=None, process_sets=None):
     whole job (use process sets for subsets). ``process_sets``: a list of ProcessSets (or rank
     lists) to add, or "dynamic" (hvdlite's process sets can always be added later).
     """
-    global _atexit_registered
     if comm is not None and not isinstance(comm, (list, tuple, range)):
         raise HvdliteValueError("hvdlite.init(): comm= (an MPI communicator) is not supported; "
                          "hvdlite reads the launcher's environment instead")
     if process_sets == "dynamic":
         process_sets = None
     _failure.install()  # Note [Failure reports]: from here on, an uncaught exception is reported
-    with _state.lock:
+    with _state.process.lock:
         if _state.peek() is not None:
             return
         if _elastic_worker.enabled():
@@ -124,7 +120,7 @@ def init(comm=None, process_sets=None):
             # Local and cross ranks are derived from the hosts every rank publishes, below.
             topology = dataclasses.replace(topology, rank=dist.get_rank(), size=dist.get_world_size(),
                                            source="torch.distributed")
-        generation = next(_generation)
+        generation = next(_state.process.generations)
         store, prefix, loopback = _rendezvous(topology, rendezvous, generation)
         # Every rank's record (host, pid, build, settings); reading them all is a rendezvous,
         # and every rank checks the same records, so a refusal happens on every rank at once.
@@ -146,11 +142,11 @@ def init(comm=None, process_sets=None):
         if _elastic_worker.enabled():  # Note [Hosts updated]
             _elastic_worker.watch_hosts(os.environ["HVDLITE_ELASTIC_GENERATION"],
                                         functools.partial(_engines_of, generation))
-        if not _atexit_registered:
+        if not _state.process.atexit_registered:
             # Exiting with work in flight and no shutdown aborted the process in 8 of 20 runs
             # ("terminate called without an active exception"); shutting down at exit fixed it.
             atexit.register(_shutdown_at_exit)
-            _atexit_registered = True
+            _state.process.atexit_registered = True
     if comm is not None and sorted(int(r) for r in comm) != list(range(size())):
         ranks, job = sorted(int(r) for r in comm), size()
         shutdown()
@@ -189,7 +185,7 @@ def _shutdown_at_exit():
 
 
 def _shutdown(reason):
-    with _state.lock:
+    with _state.process.lock:
         state = _state.take()
     if state is not None:
         # Process sets first: their engines negotiate shutdown among their members only.

@@ -114,17 +114,15 @@ def _no_nccl(fn):
                      "(torch.cuda.is_available() was False at hvdlite.init())")
 
 
-_member_names = {}  # (group, count) -> the members' names: the same every step
-
-
 def _group_names(fn, process_set, name, count):
     _, runtime = _runtime(fn, process_set)
     group = name or f"hvdlite.group.{next(runtime.name_ids)}"
-    names = _member_names.get((group, count)) if name else None
+    cache = _state.process.member_names  # (group, count) -> the members' names: the same every step
+    names = cache.get((group, count)) if name else None
     if names is None:
         names = [f"{group}.{i}" for i in range(count)]
-        if name and len(_member_names) < 4096:
-            _member_names[(group, count)] = names
+        if name and len(cache) < 4096:
+            cache[(group, count)] = names
     return group, names
 
 

@@ -38,6 +38,12 @@ class Rendezvous:
     host_store: bool = False  # this process hosts the store (rank 0 under mpirun/SLURM)
 
 
+def is_elastic_worker(env):
+    """An elastic hvdliterun started this process as a worker without a rank (Note [Elastic
+    rendezvous] in _elastic_worker.py): its place comes from the launcher at each init()."""
+    return env.get("HVDLITE_ELASTIC") == "1"
+
+
 def _int(env, name, minimum=0):
     value = env.get(name)
     if value is None:
