@@ -42,7 +42,7 @@ from . import _state
 from ._job import keys
 from ._job.launchers import is_elastic_worker
 from ._job.rendezvous import LauncherStore
-from .exceptions import HOSTS_UPDATED
+from .exceptions import HOSTS_UPDATED, ElasticAbort, WorkerRemoved  # noqa: F401 (elastic/ uses them here)
 
 
 _ASSIGN_SLACK_SECONDS = 60.0
@@ -62,18 +62,6 @@ def set_reason(reason, lost=()):
     """What the next request tells the launcher: "failure" (with the ranks seen lost) or
     "hosts"."""
     _state.process.elastic.reason = {"reason": reason, "lost": sorted(set(int(r) for r in lost))}
-
-
-class WorkerRemoved(SystemExit):
-    """This worker is not part of the next generation; the process exits with status 0."""
-
-    def __init__(self, why):
-        super().__init__(0)
-        self.why = why
-
-
-class ElasticAbort(RuntimeError):
-    """The launcher stopped the elastic job (reset limit, too few slots); names why."""
 
 
 def _launcher():

@@ -5,11 +5,9 @@ import socket
 import struct
 from typing import Dict, List
 
+from .exceptions import NetworkError
+
 _SIOCGIFADDR = 0x8915
-
-
-class NetworkError(ValueError):
-    """An interface that does not exist or has no IPv4 address."""
 
 
 def interface_names() -> List[str]:

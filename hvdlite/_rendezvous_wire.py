@@ -26,20 +26,14 @@ import threading
 import time
 from typing import Iterable, List, Optional, Sequence
 
+from .exceptions import RendezvousError, RendezvousTimeout
+
 MAGIC = b"HVDLITE-RDZV-1"
 HANDSHAKE_TIMEOUT = 10.0
 _MAX_HANDSHAKE_FRAME = 512
 _MAX_FRAME = 1 << 30
 _REPLY_TIMEOUT = 60.0  # a live server answers non-blocking ops at once
 _LEN = struct.Struct(">I")
-
-
-class RendezvousError(RuntimeError):
-    """The rendezvous store refused the client, lost the connection or reported an error."""
-
-
-class RendezvousTimeout(RendezvousError):
-    """A blocking get/wait did not see its keys within the timeout."""
 
 
 def new_secret() -> str:

@@ -18,7 +18,7 @@ import sys
 
 from . import __version__
 from ._native import _core
-from .exceptions import MismatchError
+from .exceptions import MismatchError, SettingsError
 
 # A test hook: a rank with this set runs with its own job-wide values, so that tests can show
 # what the per-round settings digest does when ranks do differ (tests/multirank/test_agreement.py).
@@ -100,11 +100,9 @@ def check_records(records):
     errors = [(r, record["error"]) for r, record in enumerate(records) if record.get("error")]
     if errors:
         described = "; ".join(f"rank {r}: {error}" for r, error in errors)
-        exc = ValueError(f"hvdlite.init(): invalid settings on {'rank' if len(errors) == 1 else 'ranks'} "
-                         f"{', '.join(str(r) for r, _ in errors)} (job-wide settings are rank 0's): "
-                         f"{described}")
-        exc.ranks = [r for r, _ in errors]
-        raise exc
+        raise SettingsError(f"hvdlite.init(): invalid settings on {'rank' if len(errors) == 1 else 'ranks'} "
+                            f"{', '.join(str(r) for r, _ in errors)} (job-wide settings are rank 0's): "
+                            f"{described}", op="init", ranks=[r for r, _ in errors])
 
 
 def in_force(records, rank, env=None):

@@ -1,9 +1,17 @@
-"""The exceptions hvdlite raises.
+"""Every exception hvdlite raises, on a rank and in the launcher, defined here and only here.
 
-Every failure a user can cause, or that a peer causes, is an :class:`HvdliteError`. The native
-engine reports failures as a status code plus a one-sentence message (naming the operation, the
-tensor, the ranks and what differs); :func:`_from_status` turns them into these classes, so the
-same exception is raised on every rank involved.
+- On a rank, every failure a user can cause, or that a peer causes, is an
+  :class:`HvdliteError` (a ``RuntimeError``). The native engine reports failures as a status
+  code plus a one-sentence message (naming the operation, the tensor, the ranks and what
+  differs); :func:`_from_status` turns them into these classes, so the same exception is
+  raised on every rank involved. Bad calls are also ``ValueError``/``TypeError``s.
+- Elastic training's signals are not failures: :class:`HostsUpdatedInterrupt` and
+  :class:`WorkerRemoved` (the process leaves with status 0).
+- The launcher's errors (hvdliterun, ``hvdlite.runner.run``) are :class:`LaunchError`s, and
+  the rendezvous store's :class:`RendezvousError`s, which both sides see.
+
+Torch-free: the launcher imports this module. (``_store.StoreTimeoutError`` is the one class
+kept beside its code, as it must derive from torch's ``DistStoreError``.)
 """
 
 import pickle
@@ -21,6 +29,22 @@ __all__ = [
     "HvdliteNotImplementedError",
     "ObjectPicklingError",
     "HostsUpdatedInterrupt",
+    "ElasticAbort",
+    "SettingsError",
+    "LaunchEnvironmentError",
+    "RayWorkerError",
+    "WorkerRemoved",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "LaunchError",
+    "UsageError",
+    "HostSpecError",
+    "ConfigFileError",
+    "NetworkError",
+    "HostDiscoveryError",
+    "DiscoveryOutputError",
+    "NetworkDiscoveryError",
+    "JobFailedError",
 ]
 
 
@@ -102,6 +126,95 @@ class HostsUpdatedInterrupt(RuntimeError):
         self.op = op
         self.tensor_name = tensor_name
         self.ranks = ranks
+
+
+class SettingsError(HvdliteValueError):
+    """init(): a rank's HVDLITE_* settings are invalid; ``ranks`` names the ranks."""
+
+
+class LaunchEnvironmentError(HvdliteValueError):
+    """init(): a launcher's environment that hvdlite cannot use; the message names the
+    variable."""
+
+
+class ElasticAbort(HvdliteError):
+    """The elastic launcher stopped the job (reset limit, too few slots, no survivor); names
+    why."""
+
+
+class RayWorkerError(HvdliteError):
+    """A worker of hvdlite.ray's executor failed or died; names its rank and node. ``errors``
+    holds every rank's failure (rank -> text), the first cause first."""
+
+    def __init__(self, message, rank=None, node=None, errors=None):
+        super().__init__(message, ranks=None if rank is None else [rank])
+        self.rank, self.node, self.errors = rank, node, errors or {}
+
+
+class WorkerRemoved(SystemExit):
+    """This elastic worker is not part of the next generation; the process exits with status
+    0 (not a failure)."""
+
+    def __init__(self, why):
+        super().__init__(0)
+        self.why = why
+
+
+# ---- the rendezvous store, seen by ranks and by the launcher -----------------------------------
+
+class RendezvousError(RuntimeError):
+    """The rendezvous store refused the client, lost the connection or reported an error."""
+
+
+class RendezvousTimeout(RendezvousError):
+    """A blocking get/wait did not see its keys within the timeout."""
+
+
+# ---- the launcher ------------------------------------------------------------------------------
+
+class LaunchError(Exception):
+    """hvdliterun (or hvdlite.runner.run) cannot start or finish the job as asked; the message
+    is the one line the user reads."""
+
+
+class UsageError(LaunchError):
+    """A bad command line; reported as one line and exit status 2."""
+
+
+class HostSpecError(LaunchError, ValueError):
+    """A host list or hostfile that cannot be parsed, or more ranks than slots."""
+
+
+class ConfigFileError(LaunchError, ValueError):
+    """A --config-file that cannot be read or names unknown keys."""
+
+
+class NetworkError(LaunchError, ValueError):
+    """A network interface that does not exist or has no IPv4 address."""
+
+
+class NetworkDiscoveryError(LaunchError):
+    """Network discovery (runner/discovery.py) found no network every host shares; the
+    message says why."""
+
+
+class HostDiscoveryError(LaunchError):
+    """Elastic mode: the host discovery script (runner/elastic.py) failed or printed
+    something that is not a host list."""
+
+
+class DiscoveryOutputError(HostDiscoveryError, ValueError):
+    """The host discovery script printed something that is not a host list."""
+
+
+class JobFailedError(LaunchError, RuntimeError):
+    """hvdlite.runner.run(): a rank of the job failed; ``rank`` names the first, ``result``
+    holds every rank's exit."""
+
+    def __init__(self, message, rank=None, result=None):
+        super().__init__(message)
+        self.rank = rank
+        self.result = result
 
 
 # Scripts written for Horovod catch this name.

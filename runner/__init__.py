@@ -1,21 +1,29 @@
 """hvdlite.runner: the hvdliterun launcher and hvdlite.runner.run().
 
 Map of the package (one concept per file):
-  launch.py       command line -> JobConfig -> run_job; the hvdliterun entry point
-  config.py       the typed job configuration; flags -> HVDLITE_* core variables
-  hosts.py        -H / --hostfile parsing and the pure slot assignment
-  environment.py  each rank's environment (the contract with hvd.init() and torchrun names)
-  rendezvous.py   the secret-protected key-value server (its wire protocol, client and
-                  SecretStore live in the library: hvdlite/_rendezvous_wire.py, _store.py)
-  network.py      interface addresses, local-host detection, free ports
-  workers.py      starting local and ssh ranks, signals, stopping them all
-  output.py       rank-prefixed output and per-rank files
-  errors.py       job results and the root-cause message
-  job.py          one job from start to end
-  run_func.py     run(fn, np=...) for Python functions
-  check_build.py  hvdliterun --check-build
+  launch.py        command line -> JobConfig -> run_job; the hvdliterun entry point
+  config.py        the typed job configuration; flags -> HVDLITE_* core variables
+  config_file.py   --config-file: horovodrun's YAML keys -> flags
+  hosts.py         -H / --hostfile / SLURM allocation parsing and the pure slot assignment
+  environment.py   each rank's environment (the contract with hvd.init(), horovodrun's and
+                   torchrun's names; the rules themselves live in hvdlite/_job/)
+  rendezvous.py    the secret-protected key-value server (its wire protocol, client and
+                   SecretStore live in the library: hvdlite/_rendezvous_wire.py, _store.py)
+  network.py       interface addresses, local-host detection, free ports
+  discovery.py     network discovery: which interfaces every host reaches every host through
+  task_service.py  the task network discovery starts on each host (reports and probes)
+  workers.py       starting local and ssh ranks, signals, stopping them all
+  output.py        rank-prefixed output and per-rank files
+  errors.py        job results and the root-cause message
+  job.py           one static job from start to end
+  elastic.py       elastic mode: the driver, and host discovery (the user's script)
+  elastic_plan.py  elastic mode's pure decisions: discovery output, blacklist, ranks per generation
+  run_func.py      run(fn, np=...) for Python functions
+  _func_task.py    the rank side of run(): load the function, run it, write its result
+  check_build.py   hvdliterun --check-build
+The launcher's exceptions are defined with every other in hvdlite/exceptions.py.
 """
-from .errors import RankFailedError
+from hvdlite.exceptions import JobFailedError
 from .run_func import run
 
-__all__ = ["run", "RankFailedError"]
+__all__ = ["run", "JobFailedError"]

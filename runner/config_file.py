@@ -7,6 +7,8 @@ section or key is an error naming it. Needs PyYAML (`pip install pyyaml`), impor
 """
 from typing import Any, Dict
 
+from hvdlite.exceptions import ConfigFileError
+
 # section -> key -> argparse destination (None: accepted, no effect in hvdlite)
 _KEYS = {
     "params": {"fusion_threshold_mb": "fusion_threshold_mb", "cycle_time_ms": "cycle_time_ms",
@@ -21,10 +23,6 @@ _KEYS = {
     "library_options": {"mpi_threads_disable": None, "num_nccl_streams": None, "thread_affinity": None,
                         "gloo_timeout_seconds": None},
 }
-
-
-class ConfigFileError(ValueError):
-    pass
 
 
 def read(path: str) -> Dict[str, Any]:

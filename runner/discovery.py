@@ -6,7 +6,7 @@ task_service.py).
 than one host. It starts one task per host, waits for their probe results in the job's
 rendezvous store, and returns the plan: the interface names for Gloo and NCCL and the address
 to give ranks for the rendezvous. A host that cannot be reached, a task that fails, or no
-interface common to every pair of hosts is a DiscoveryError naming the hosts and interfaces.
+interface common to every pair of hosts is a NetworkDiscoveryError naming the hosts and interfaces.
 """
 import json
 import os
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Sequence
 
 from hvdlite._rendezvous_wire import RendezvousClient, RendezvousError
+from hvdlite.exceptions import NetworkDiscoveryError
 
 from .config import SshOptions
 from .environment import exportable
@@ -24,10 +25,6 @@ from .task_service import interfaces
 from .workers import ssh_command, stop_with_parent
 
 TASK_MODULE = "hvdlite.runner.task_service"
-
-
-class DiscoveryError(Exception):
-    """Discovery could not find a network every host shares; the message says why."""
 
 
 @dataclass
@@ -106,12 +103,12 @@ def plan(hosts: Sequence[str], probes: Mapping[int, Mapping[str, list]], infos: 
                           f"{', '.join(sorted(through)) or 'nothing'} (tried {tried})")
             common &= through
     if not common:
-        raise DiscoveryError("network discovery: no network interface reaches every host from every "
+        raise NetworkDiscoveryError("network discovery: no network interface reaches every host from every "
                              "host: " + "; ".join(report) +
                              " (give --network-interfaces to choose them yourself)")
     reached_by_all = [a for a in driver_addrs if all(a in infos[i]["driver_reached"] for i in infos)]
     if not reached_by_all:
-        raise DiscoveryError("network discovery: no address of this launcher is reachable from every "
+        raise NetworkDiscoveryError("network discovery: no address of this launcher is reachable from every "
                              "host (offered " + ", ".join(driver_addrs) + ")")
     chosen = [name for name in order if name in common]
     return NetworkPlan(chosen, reached_by_all[0], 0.0, report)
@@ -140,13 +137,13 @@ def discover(hosts: Sequence[str], is_local: Mapping[str, bool], port: int, secr
                     value = client.call(b"GET", [f"discovery/{index}/probes".encode(), b"100"], 100)[0]
                 except RendezvousError:
                     if task.poll() is not None:
-                        raise DiscoveryError(_failed(task, hosts[index])) from None
+                        raise NetworkDiscoveryError(_failed(task, hosts[index])) from None
                     continue
                 probes[index] = json.loads(value)["results"]
                 infos[index] = json.loads(client.call(b"GET", [f"discovery/{index}/info".encode(), b"0"])[0])
             if time.monotonic() > deadline:
                 missing = [hosts[i] for i in range(len(hosts)) if i not in probes]
-                raise DiscoveryError(f"network discovery: no answer from {', '.join(missing)} within "
+                raise NetworkDiscoveryError(f"network discovery: no answer from {', '.join(missing)} within "
                                      f"{timeout:g} s")
         result = plan(hosts, probes, infos, driver_addrs)
         result.seconds = time.monotonic() - started

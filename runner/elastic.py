@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set
 
 from hvdlite._job import keys
+from hvdlite.exceptions import HostDiscoveryError
 
 from .config import JobConfig
 from .discovery import NetworkPlan
@@ -62,24 +63,20 @@ DISCOVERY_TIMEOUT = 30.0
 
 
 
-class DiscoveryFailed(Exception):
-    pass
-
-
 def run_discovery_script(script: str, slots_per_host: int, cwd: str) -> List[Host]:
     """Runs the script once (through /bin/sh, so arguments work) and parses what it printed."""
     try:
         done = subprocess.run(["/bin/sh", "-c", script], cwd=cwd, capture_output=True, text=True,
                               timeout=DISCOVERY_TIMEOUT, preexec_fn=stop_with_parent)
     except subprocess.TimeoutExpired:
-        raise DiscoveryFailed(f"it did not finish within {DISCOVERY_TIMEOUT:g} s") from None
+        raise HostDiscoveryError(f"it did not finish within {DISCOVERY_TIMEOUT:g} s") from None
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()[-1:] or [""]
-        raise DiscoveryFailed(f"it {describe_exit(done.returncode)}" + (f": {tail[0]}" if tail[0] else ""))
+        raise HostDiscoveryError(f"it {describe_exit(done.returncode)}" + (f": {tail[0]}" if tail[0] else ""))
     try:
         return parse_discovery_output(done.stdout, slots_per_host)
     except DiscoveryOutputError as exc:
-        raise DiscoveryFailed(f"its output is not a host list ({exc})") from None
+        raise HostDiscoveryError(f"its output is not a host list ({exc})") from None
 
 
 class _Discovery:
@@ -100,7 +97,7 @@ class _Discovery:
         while not self._stop.wait(DISCOVERY_INTERVAL):
             try:
                 hosts = run_discovery_script(*self._args)
-            except DiscoveryFailed as exc:
+            except HostDiscoveryError as exc:
                 if not failing:
                     self._log(f"the host discovery script failed ({exc}); keeping the last host list")
                 failing = True
@@ -468,7 +465,7 @@ def run_elastic(config: JobConfig, mux: OutputMux, environ: Dict[str, str], sign
     cwd = config.cwd or os.getcwd()
     try:
         first = run_discovery_script(elastic.discovery_script, elastic.slots_per_host, cwd)
-    except DiscoveryFailed as exc:
+    except HostDiscoveryError as exc:
         result.launch_error = (f"the host discovery script {elastic.discovery_script!r} failed on "
                                f"its first run: {exc}")
         return result

@@ -9,12 +9,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hvdlite._job.place import Place, places
+from hvdlite.exceptions import DiscoveryOutputError
 
 from .hosts import Host, HostSpecError, parse_host_list
-
-
-class DiscoveryOutputError(ValueError):
-    """The discovery script printed something that is not a host list."""
 
 
 def parse_discovery_output(text: str, slots_per_host: int) -> List[Host]:

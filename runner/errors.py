@@ -174,11 +174,3 @@ class JobResult:
         return None
 
 
-class RankFailedError(RuntimeError):
-    """Raised by hvdlite.runner.run() when a rank fails; names the rank and why."""
-
-    def __init__(self, message: str, rank: Optional[int] = None,
-                 result: Optional[JobResult] = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.result = result

@@ -8,10 +8,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from hvdlite._job.place import places
-
-
-class HostSpecError(ValueError):
-    """A host list or hostfile that cannot be parsed, or more ranks than slots."""
+from hvdlite.exceptions import HostSpecError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import time
 from typing import IO, Dict, List, Mapping, Optional
 
 from .config import JobConfig
-from .discovery import DiscoveryError, NetworkPlan, discover, driver_addresses
+from .discovery import NetworkDiscoveryError, NetworkPlan, discover, driver_addresses
 from .environment import Rendezvous, exportable, rank_environment
 from .errors import JobResult, RankExit
 from .hosts import Host, assign_slots
@@ -101,7 +101,7 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
             found = discover(distinct_hosts, is_local, server.port, server.secret,
                              driver_addresses(prefer=[addr]), config.ssh, cwd, config.grace_period,
                              config.discovery_timeout, log)
-        except DiscoveryError as exc:
+        except NetworkDiscoveryError as exc:
             server.stop()
             result.launch_error = str(exc)
             return result

@@ -7,6 +7,8 @@ import os
 import sys
 from typing import List, NoReturn, Optional, Sequence, Tuple
 
+from hvdlite.exceptions import UsageError
+
 from .config import (DEFAULT_ELASTIC_TIMEOUT, DEFAULT_GRACE_PERIOD, DEFAULT_START_TIMEOUT,
                      CoreKnobs, ElasticConfig, JobConfig, SshOptions)
 from .hosts import HostSpecError, parse_host_list, parse_hostfile, slurm_allocation
@@ -70,10 +72,6 @@ environment of each rank:
 exit status:
   0 when every rank exits 0; the first failing rank's exit code (1 if it was killed by a
   signal); 128+N when stopped by signal N; 2 for a bad command line."""
-
-
-class UsageError(Exception):
-    """A bad command line; reported as one line and exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -15,7 +15,9 @@ import tempfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .config import DEFAULT_ELASTIC_TIMEOUT, DEFAULT_START_TIMEOUT, ElasticConfig, JobConfig
-from .errors import JobResult, RankFailedError
+from hvdlite.exceptions import JobFailedError
+
+from .errors import JobResult
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Mapping] = None,
@@ -34,7 +36,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Mappi
 
     Each rank has the same environment as under hvdliterun (plus `env`), so `fn` can call
     hvd.init(). Rank output is streamed with rank prefixes to this process's stdout/stderr.
-    Raises RankFailedError naming the first rank that failed and its exception; a Ctrl-C
+    Raises JobFailedError naming the first rank that failed and its exception; a Ctrl-C
     stops every rank and raises KeyboardInterrupt. Synchronizes nothing itself: it only
     starts processes and waits for them.
     """
@@ -94,12 +96,12 @@ def _read_result(workdir: str, rank: int) -> Any:
     return value
 
 
-def _failure(result: JobResult, workdir: str) -> RankFailedError:
+def _failure(result: JobResult, workdir: str) -> JobFailedError:
     """The exception run() raises: the root cause's summary (Note [Root cause] in errors.py)
     and that rank's traceback."""
     ranks = result.cause_ranks() if result.root_cause is not None else []
     if not ranks:
-        return RankFailedError(f"hvdlite.runner.run: {result.message()}", result=result)
+        return JobFailedError(f"hvdlite.runner.run: {result.message()}", result=result)
     detail = ""
     path = os.path.join(workdir, f"result.{ranks[0]}.pkl")
     if os.path.exists(path):
@@ -107,5 +109,5 @@ def _failure(result: JobResult, workdir: str) -> RankFailedError:
             status, value = pickle.load(f)
         if status == "error":
             detail = f"\n\n{value['traceback']}"
-    return RankFailedError(f"hvdlite.runner.run: {result.message()}{detail}", rank=ranks[0],
+    return JobFailedError(f"hvdlite.runner.run: {result.message()}{detail}", rank=ranks[0],
                            result=result)

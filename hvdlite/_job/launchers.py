@@ -10,13 +10,10 @@ import dataclasses
 import os
 import re
 
+from ..exceptions import LaunchEnvironmentError
 from .place import Place
 
 DEFAULT_PORT = 29500
-
-
-class LaunchEnvironmentError(ValueError):
-    """A launcher's environment that hvdlite cannot use; the message names the variable."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,18 +29,10 @@ import time
 import ray
 
 from .._job import place as _place
+from ..exceptions import RayWorkerError
 from .._rendezvous_server import RendezvousServer, new_secret
 
 __all__ = ["RayExecutor", "RayWorkerError"]
-
-
-class RayWorkerError(RuntimeError):
-    """A worker of the executor failed or died; names its rank and node. ``errors`` holds
-    every rank's failure (rank -> text), the first cause first."""
-
-    def __init__(self, message, rank=None, node=None, errors=None):
-        super().__init__(message)
-        self.rank, self.node, self.errors = rank, node, errors or {}
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hvdlite.runner import RankFailedError, run
+from hvdlite.runner import JobFailedError, run
 
 HOST = socket.gethostname()
 
@@ -119,7 +119,7 @@ def raise_on_rank_1():
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_runner_run_raises_naming_the_root_cause(np, capfd):
-    with pytest.raises(RankFailedError) as info:
+    with pytest.raises(JobFailedError) as info:
         run(raise_on_rank_1, np=np)
     assert info.value.rank == 1
     first, second = str(info.value).splitlines()[:2]
@@ -148,7 +148,7 @@ def fail_on_rank_1(mode):
 @pytest.mark.parametrize("np", [2, 3])
 @pytest.mark.parametrize("mode", ["exit", "kill", "mismatch"])
 def test_runner_run_names_the_root_cause_of_each_kind(np, mode, capfd):
-    with pytest.raises(RankFailedError) as info:
+    with pytest.raises(JobFailedError) as info:
         run(fail_on_rank_1, args=(mode,), np=np)
     first = str(info.value).splitlines()[0]
     if mode == "mismatch":

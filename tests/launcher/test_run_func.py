@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from hvdlite.runner import RankFailedError, run
+from hvdlite.runner import JobFailedError, run
 
 
 def whoami(offset, scale=1):
@@ -25,7 +25,7 @@ def test_run_returns_results_in_rank_order(capfd):
 
 
 def test_run_failing_rank_raises_naming_it(capfd):
-    with pytest.raises(RankFailedError) as info:
+    with pytest.raises(JobFailedError) as info:
         run(fail_on_rank_1, np=2)
     assert info.value.rank == 1
     assert "rank 1" in str(info.value) and "ValueError: rank 1 cannot go on" in str(info.value)

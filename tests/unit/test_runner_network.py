@@ -32,7 +32,7 @@ def test_free_port_avoids_given_ports():
 
 # ---- network discovery's choice (runner/discovery.py: plan) ---------------------------------
 
-from hvdlite.runner.discovery import DiscoveryError, plan  # noqa: E402
+from hvdlite.runner.discovery import NetworkDiscoveryError, plan  # noqa: E402
 
 
 def _info(hostname, interfaces, reached):
@@ -55,7 +55,7 @@ def test_plan_with_no_common_interface_names_hosts_and_interfaces():
     infos = {0: _info("a", {"eth0": ["10.0.0.11"]}, ["10.0.0.1"]),
              1: _info("b", {"ens5": ["10.0.0.12"]}, ["10.0.0.1"])}
     probes = {0: {"1": [["ens5", "10.0.0.12", True]]}, 1: {"0": [["eth0", "10.0.0.11", True]]}}
-    with pytest.raises(DiscoveryError, match=r"no network interface reaches every host from every host: "
+    with pytest.raises(NetworkDiscoveryError, match=r"no network interface reaches every host from every host: "
                                              r"a reaches b through ens5 .*; b reaches a through eth0"):
         plan(["a", "b"], probes, infos, ["10.0.0.1"])
 
@@ -64,5 +64,5 @@ def test_plan_with_no_launcher_address_every_host_reaches():
     infos = {0: _info("a", {"eth0": ["10.0.0.11"]}, ["10.0.0.1"]),
              1: _info("b", {"eth0": ["10.0.0.12"]}, ["10.7.0.1"])}
     probes = {0: {"1": [["eth0", "10.0.0.12", True]]}, 1: {"0": [["eth0", "10.0.0.11", True]]}}
-    with pytest.raises(DiscoveryError, match="no address of this launcher is reachable from every host"):
+    with pytest.raises(NetworkDiscoveryError, match="no address of this launcher is reachable from every host"):
         plan(["a", "b"], probes, infos, ["10.0.0.1", "10.7.0.1"])
