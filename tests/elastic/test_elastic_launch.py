@@ -189,15 +189,16 @@ def test_no_survivor_stops_the_job_instead_of_restarting_from_scratch(elastic_ru
 def test_no_survivor_resumes_from_a_durable_copy(elastic_runs, tmp_path):
     durable = tmp_path / "state.pt"
     run = _start(elastic_runs, ["127.0.0.1:2"], env={"ELASTIC_DURABLE": str(durable)})
-    run.wait_steps(6, size=2)
+    run.wait_steps(10, size=2)  # 5 batches per rank: the commit at batch 3 is written
     run.set_hosts(["127.0.0.2:2"])
     code, out = run.finish()
     assert code == 0, out
     assert "no worker of generation 0 is left: restoring the durable copy of commit" in out, out
     assert f"({durable})" in out, out
     new = run.steps(host="127.0.0.2")
+    assert new, "the new workers never trained:\n" + out
     first = min(new, key=lambda e: e["t"])
-    assert (first["epoch"], first["batch"]) != (0, 0), first  # resumed, not restarted
+    assert (first["epoch"], first["batch"]) >= (0, 3), first  # resumed at the commit, not restarted
     run.check_every_sample_once_per_epoch()
 
 
