@@ -73,9 +73,12 @@ def record_for(exc, tb=None):
 
 def _deliver(record):
     env = os.environ
-    launcher = LauncherStore.from_env(env)
+    from ._rendezvous_wire import RendezvousError
+    try:
+        launcher = LauncherStore.from_env(env)
+    except ValueError:  # a port that is not a number: the exit code still tells the launcher
+        launcher = None
     if launcher is not None:
-        from ._rendezvous_wire import RendezvousError
         try:
             client = launcher.client(rank=record["rank"], connect_timeout=3.0)
             client.call(b"SET", [keys.failure(record["rank"]).encode(), json.dumps(record).encode()])

@@ -10,8 +10,9 @@
 - The launcher's errors (hvdliterun, ``hvdlite.runner.run``) are :class:`LaunchError`s, and
   the rendezvous store's :class:`RendezvousError`s, which both sides see.
 
-Torch-free: the launcher imports this module. (``_store.StoreTimeoutError`` is the one class
-kept beside its code, as it must derive from torch's ``DistStoreError``.)
+Torch-free: the launcher imports this module. Kept beside their code: ``_store.StoreTimeoutError``
+(it must derive from torch's ``DistStoreError``) and runner/job.py's private ``_RankStartFailed``
+(control flow inside run_job, never raised to a user).
 """
 
 import pickle
@@ -132,22 +133,24 @@ class SettingsError(HvdliteValueError):
     """init(): a rank's HVDLITE_* settings are invalid; ``ranks`` names the ranks."""
 
 
-class LaunchEnvironmentError(HvdliteValueError):
+# Not HvdliteErrors (a script that retries on HorovodInternalError must not retry them): the
+# launcher's decision to stop, a broken launch environment, a Ray worker lost by the driver.
+class LaunchEnvironmentError(ValueError):
     """init(): a launcher's environment that hvdlite cannot use; the message names the
     variable."""
 
 
-class ElasticAbort(HvdliteError):
+class ElasticAbort(RuntimeError):
     """The elastic launcher stopped the job (reset limit, too few slots, no survivor); names
     why."""
 
 
-class RayWorkerError(HvdliteError):
+class RayWorkerError(RuntimeError):
     """A worker of hvdlite.ray's executor failed or died; names its rank and node. ``errors``
     holds every rank's failure (rank -> text), the first cause first."""
 
     def __init__(self, message, rank=None, node=None, errors=None):
-        super().__init__(message, ranks=None if rank is None else [rank])
+        super().__init__(message)
         self.rank, self.node, self.errors = rank, node, errors or {}
 
 

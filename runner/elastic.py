@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set
 
 from hvdlite._job import keys
+from hvdlite._job.rendezvous import LauncherStore
 from hvdlite.exceptions import HostDiscoveryError
 
 from .config import JobConfig
@@ -184,9 +185,8 @@ class _Driver:
             "HVDLITE_ELASTIC": "1", "HVDLITE_ELASTIC_WORKER": str(wid),
             "HVDLITE_ELASTIC_TIMEOUT": f"{self.elastic.timeout:g}", "HVDLITE_HOSTNAME": host,
             "HOROVOD_ELASTIC": "1", "HOROVOD_HOSTNAME": host,  # as horovodrun's elastic workers
-            "HVDLITE_RENDEZVOUS_ADDR": self._rendezvous_addr(host, local),
-            "HVDLITE_RENDEZVOUS_PORT": str(self.server.port),
-            "HVDLITE_RENDEZVOUS_SECRET": self.server.secret,
+            **LauncherStore(self._rendezvous_addr(host, local), self.server.port,
+                            self.server.secret).to_env(),
         })
         for name in ("HVDLITE_RANK", "HVDLITE_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE", "RANK", "WORLD_SIZE",
                      "MASTER_ADDR", "MASTER_PORT"):

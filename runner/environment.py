@@ -7,15 +7,15 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Mapping
 
+from hvdlite._job import rendezvous
 from hvdlite._job.place import PLACE_VARIABLES, Place, environment
+from hvdlite._job.rendezvous import LauncherStore
 
 from .hosts import SlotInfo
 
 # Set per rank; anything of the same name in the launcher's environment is replaced.
-CONTRACT_VARS = PLACE_VARIABLES + (
-    "HVDLITE_RENDEZVOUS_ADDR", "HVDLITE_RENDEZVOUS_PORT", "HVDLITE_RENDEZVOUS_SECRET",
-    "MASTER_ADDR", "MASTER_PORT",
-)
+CONTRACT_VARS = PLACE_VARIABLES + (rendezvous.ADDR, rendezvous.PORT, rendezvous.SECRET,
+                                   "MASTER_ADDR", "MASTER_PORT")
 
 # Variables that describe the launching machine or session, not the job: never sent over ssh.
 _HOST_SPECIFIC = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "XAUTHORITY", "TERM",
@@ -44,10 +44,8 @@ def rank_environment(base: Mapping[str, str], slot: SlotInfo, rdzv: Rendezvous,
     place = Place(slot.rank, slot.size, slot.local_rank, slot.local_size, slot.cross_rank,
                   slot.cross_size)
     env.update(environment(place, slot.hostname))
+    env.update(LauncherStore(rdzv.addr, rdzv.port, rdzv.secret).to_env())
     env.update({
-        "HVDLITE_RENDEZVOUS_ADDR": rdzv.addr,
-        "HVDLITE_RENDEZVOUS_PORT": str(rdzv.port),
-        "HVDLITE_RENDEZVOUS_SECRET": rdzv.secret,
         "MASTER_ADDR": rdzv.master_addr,
         "MASTER_PORT": str(rdzv.master_port),
     })

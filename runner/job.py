@@ -126,7 +126,7 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
         try:
             _start_ranks(config, group, slots, is_local, base_env, core_env, rdzv, cwd, log)
             _watch(config, group, server, signals, result)
-        except _LaunchError as exc:
+        except _RankStartFailed as exc:
             result.launch_error = str(exc)
         finally:
             if group.running():
@@ -143,8 +143,8 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
     return result
 
 
-class _LaunchError(Exception):
-    pass
+class _RankStartFailed(Exception):
+    """A rank could not be started (control flow inside run_job; becomes its launch error)."""
 
 
 # Note [Letting ranks report]: after the first failure the others usually fail by themselves
@@ -172,7 +172,7 @@ def _start_ranks(config, group, slots, is_local, base_env, core_env, rdzv, cwd, 
                 group.start_remote(slot, config.command, exportable(env), cwd, config.ssh)
         except OSError as exc:
             program = config.command[0] if is_local[slot.hostname] else "ssh"
-            raise _LaunchError(f"could not start rank {slot.rank} on {slot.hostname}: "
+            raise _RankStartFailed(f"could not start rank {slot.rank} on {slot.hostname}: "
                                f"{program}: {exc.strerror or exc}") from None
 
 

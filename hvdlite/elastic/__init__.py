@@ -21,8 +21,8 @@ import functools
 import sys
 
 from .. import _elastic_worker, basics
-from ..exceptions import (ElasticAbort, HostsUpdatedInterrupt, HvdliteError, MismatchError,
-                          NotInitializedError, ObjectPicklingError)
+from ..exceptions import (HostsUpdatedInterrupt, HvdliteError, MismatchError, NotInitializedError,
+                          ObjectPicklingError)
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
@@ -31,10 +31,9 @@ __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "Hosts
 # Errors that a reset cures: a peer failed or the engine was stopped under the step. A mismatch,
 # a bad call (HvdliteValueError, HvdliteTypeError, ...: ValueError or TypeError) or an object
 # that cannot be pickled is a bug in the script and would come back after every reset, so it
-# is raised; so is the launcher's decision to stop the job (ElasticAbort).
+# is raised. (The launcher's decision to stop, ElasticAbort, is no HvdliteError: it ends run().)
 _RESETTABLE = (HvdliteError,)
-_NOT_RESETTABLE = (MismatchError, NotInitializedError, ValueError, TypeError, ObjectPicklingError,
-                   ElasticAbort)
+_NOT_RESETTABLE = (MismatchError, NotInitializedError, ValueError, TypeError, ObjectPicklingError)
 
 
 def _reset(state, reason, lost):

@@ -29,6 +29,7 @@ import time
 import ray
 
 from .._job import place as _place
+from .._job.rendezvous import LauncherStore
 from ..exceptions import RayWorkerError
 from .._rendezvous_server import RendezvousServer, new_secret
 
@@ -151,9 +152,8 @@ class RayExecutor:
             rank, local_rank, local_size, cross_rank, cross_size = ranks[i]
             place = _place.Place(rank, self.num_workers, local_rank, local_size, cross_rank, cross_size)
             env = {**self.env_vars, **(extra_env_vars or {}),
-                   **_place.environment(place, where[i]["host"]), "HVDLITE_RENDEZVOUS_ADDR": addr,
-                   "HVDLITE_RENDEZVOUS_PORT": str(self._server.port),
-                   "HVDLITE_RENDEZVOUS_SECRET": self._server.secret}
+                   **_place.environment(place, where[i]["host"]),
+                   **LauncherStore(addr, self._server.port, self._server.secret).to_env()}
             setups.append(actor.setup.remote(env, executable_cls, tuple(executable_args or ()),
                                              executable_kwargs))
         ray.get(setups, timeout=self.settings.timeout_s)
