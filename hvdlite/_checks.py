@@ -51,16 +51,16 @@ def _check_tensor(fn, tensor, what="tensor", min_dim=0, dtypes=_SUPPORTED_DTYPE_
         raise HvdliteTypeError(f"{fn}: expected a torch.Tensor for '{what}', got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise HvdliteTypeError(f"{fn}: '{what}' is a {tensor.layout} tensor; only dense (strided) tensors "
-                        "are supported (densify sparse tensors with .to_dense())")
+                               "are supported (densify sparse tensors with .to_dense())")
     if tensor.dtype not in dtypes:
         supported = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise HvdliteTypeError(f"{fn}: '{what}' has dtype {str(tensor.dtype).replace('torch.', '')}, "
-                        f"which hvdlite does not support; supported: {supported}")
+                               f"which hvdlite does not support; supported: {supported}")
     if tensor.device.type not in ("cpu", "cuda"):
         raise HvdliteValueError(f"{fn}: '{what}' is on {tensor.device}; hvdlite supports cpu and cuda tensors")
     if tensor.dim() < min_dim:
         raise HvdliteValueError(f"{fn}: '{what}' must have at least {min_dim} dimension(s), got a "
-                         f"{tensor.dim()}-d tensor")
+                                f"{tensor.dim()}-d tensor")
 
 
 def _check_tensors(fn, tensors, min_dim=0, dtypes=_SUPPORTED_DTYPE_SET):
@@ -102,7 +102,7 @@ def _resolve_op(fn, average, op, allowed=(Average, Sum, Min, Max, Product, Adasu
         return Average
     if op == Adasum and not isinstance(op, bool) and Adasum not in allowed:
         raise HvdliteValueError(f"{fn}: op=Adasum is not supported here (as in horovod.torch); Adasum is "
-                         "an allreduce")
+                                "an allreduce")
     if isinstance(op, bool) or op not in allowed:
         names = ", ".join(_OP_NAMES[o] for o in allowed)
         raise HvdliteValueError(f"{fn}: op must be one of {names}; got {op!r}")
@@ -126,7 +126,7 @@ def _check_splits(fn, tensor, splits, size):
     if splits is None:
         if rows % size:
             raise HvdliteValueError(f"{fn}: without splits, dimension 0 ({rows}) must divide evenly over "
-                             f"{size} ranks")
+                                    f"{size} ranks")
         return [rows // size] * size
     if isinstance(splits, torch.Tensor):
         if splits.is_floating_point() or splits.dim() != 1:

@@ -42,7 +42,7 @@ from . import _state
 from ._job import keys
 from ._job.launchers import is_elastic_worker
 from ._job.rendezvous import LauncherStore
-from .exceptions import HOSTS_UPDATED, ElasticAbort, WorkerRemoved  # noqa: F401 (elastic/ uses them here)
+from .exceptions import HOSTS_UPDATED, ElasticAbort, WorkerRemoved
 
 
 _ASSIGN_SLACK_SECONDS = 60.0

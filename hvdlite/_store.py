@@ -28,8 +28,9 @@ class StoreTimeoutError(_StoreError):
 # process groups hold by intrusive_ptr, and the Python object, which holds the overrides. When
 # the last *Python* reference goes (e.g. PrefixStore("p", connect(...)) with no variable), the
 # Python half is freed and every later call fails with "Not implemented" inside c10d. So each
-# open SecretStore stays in a set (_state.process.open_stores) until close(). hvd.shutdown() does not close it: the
-# process keeps its store so that a later init() (a new generation) can rendezvous again.
+# open SecretStore stays in a set (_state.process.open_stores) until close(). hvd.shutdown()
+# does not close it: the process keeps its store so that a later init() (a new generation) can
+# rendezvous again.
 
 
 def _as_timedelta(timeout) -> datetime.timedelta:

@@ -106,7 +106,7 @@ def init(comm=None, process_sets=None):
     """
     if comm is not None and not isinstance(comm, (list, tuple, range)):
         raise HvdliteValueError("hvdlite.init(): comm= (an MPI communicator) is not supported; "
-                         "hvdlite reads the launcher's environment instead")
+                                "hvdlite reads the launcher's environment instead")
     if process_sets == "dynamic":
         process_sets = None
     _failure.install()  # Note [Failure reports]: from here on, an uncaught exception is reported
@@ -151,8 +151,8 @@ def init(comm=None, process_sets=None):
         ranks, job = sorted(int(r) for r in comm), size()
         shutdown()
         raise HvdliteValueError(f"hvdlite.init(comm={ranks}): hvdlite runs on every rank of the job "
-                         f"({job} ranks); for collectives among a subset, use "
-                         "hvdlite.add_process_set(...)")
+                                f"({job} ranks); for collectives among a subset, use "
+                                "hvdlite.add_process_set(...)")
     if process_sets:
         from .process_sets import add_process_set
         for process_set in process_sets:

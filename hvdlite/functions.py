@@ -34,19 +34,19 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
         items = list(params)
     else:
         raise HvdliteValueError("broadcast_parameters: expected a state_dict or (name, tensor) pairs, "
-                         f"got {type(params).__name__}")
+                                f"got {type(params).__name__}")
     root = _check_root("broadcast_parameters", root_rank)
     seen, direct, pickled = set(), [], []
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise HvdliteValueError("broadcast_parameters: expected (name, tensor) pairs, got "
-                             f"{item!r:.80}")
+                                    f"{item!r:.80}")
         name, tensor = item
         if tensor is None:
             continue
         if not isinstance(tensor, torch.Tensor):
             raise HvdliteTypeError(f"broadcast_parameters: '{name}' is a {type(tensor).__name__}, "
-                            "expected a tensor")
+                                   "expected a tensor")
         if name in seen:
             raise HvdliteValueError(f"broadcast_parameters: the name '{name}' appears twice")
         seen.add(name)
@@ -160,7 +160,7 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     for size in sizes.tolist():
         pieces.append((size < 0, data[start:start + abs(size)]))
         start += abs(size)
-    ranks = _set_ranks(process_set)
+    ranks = ops._runtime("allgather_object", process_set)[1].ranks
     failures = {ranks[i]: _reason(piece) for i, (bad, piece) in enumerate(pieces) if bad}
     if failures:
         raise _pickling_error("allgather_object", name, failures)
@@ -174,7 +174,7 @@ def _check_root(fn, root_rank):
         raise HvdliteTypeError(f"{fn}: root_rank must be an int, got {type(root_rank).__name__}")
     if not 0 <= root_rank < basics.size():
         raise HvdliteValueError(f"{fn}: root_rank {root_rank} is out of range for a job of "
-                         f"{basics.size()} ranks")
+                                f"{basics.size()} ranks")
     return int(root_rank)
 
 
@@ -206,11 +206,6 @@ def _pickling_error(fn, name, failures):
     described = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
     return ObjectPicklingError(f"{fn} '{name}': could not pickle the object on {described}",
                                op=fn, tensor_name=name, ranks=sorted(failures), reason=described)
-
-
-def _set_ranks(process_set):
-    ranks = process_set.ranks if process_set is not None else None
-    return ranks if ranks is not None else list(range(basics.size()))
 
 
 def _zero_missing_gradients(optimizer, params):

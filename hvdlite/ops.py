@@ -111,7 +111,7 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
 
 def _no_nccl(fn):
     raise HvdliteValueError(f"{fn}: CUDA tensors need an NCCL process group, and this job has none "
-                     "(torch.cuda.is_available() was False at hvdlite.init())")
+                            "(torch.cuda.is_available() was False at hvdlite.init())")
 
 
 def _group_names(fn, process_set, name, count):
@@ -332,7 +332,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     fn = "sparse_allreduce_async"
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise HvdliteTypeError(f"{fn}: expected a sparse COO tensor, got "
-                        f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tensor.layout}")
+                               f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tensor.layout}")
     op = _resolve_op(fn, None, op, allowed=(Average, Sum))
     name = _check_name(fn, name) or f"hvdlite.sparse.{next(_runtime(fn, process_set)[1].name_ids)}"
     t = tensor.coalesce()

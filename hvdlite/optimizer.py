@@ -90,7 +90,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # owns param_groups and state, and the properties below hand out its objects.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise HvdliteTypeError("DistributedOptimizer: expected a torch.optim.Optimizer, got "
-                            f"{type(optimizer).__name__}")
+                                   f"{type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise HvdliteTypeError("DistributedOptimizer: the optimizer is already a DistributedOptimizer")
         if isinstance(groups, int) and not isinstance(groups, bool):
@@ -493,16 +493,16 @@ def _remove_hooks(handles):
 def _check_options(op, predivide, passes, compression):
     if op not in (ops.Average, ops.Sum, ops.Adasum) or isinstance(op, bool):
         raise HvdliteValueError("DistributedOptimizer: op must be hvdlite.Average, hvdlite.Sum or "
-                         f"hvdlite.Adasum, got {op!r}")
+                                f"hvdlite.Adasum, got {op!r}")
     if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
         raise HvdliteValueError("DistributedOptimizer: gradient_predivide_factor must be a positive "
-                         f"number, got {predivide!r}")
+                                f"number, got {predivide!r}")
     if predivide != 1.0 and op != ops.Average:
         raise HvdliteValueError("DistributedOptimizer: gradient_predivide_factor applies only to "
-                         "op=Average")
+                                "op=Average")
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise HvdliteValueError("DistributedOptimizer: backward_passes_per_step must be an int >= 1, "
-                         f"got {passes!r}")
+                                f"got {passes!r}")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise HvdliteTypeError("DistributedOptimizer: compression must be one of hvdlite.Compression.*")
 
@@ -517,11 +517,11 @@ def _named_parameter_map(named_parameters):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise HvdliteValueError("DistributedOptimizer: named_parameters must be (name, parameter) "
-                             f"pairs such as model.named_parameters(); got {item!r:.80}")
+                                    f"pairs such as model.named_parameters(); got {item!r:.80}")
         name, p = item
         if name in names:
             raise HvdliteValueError(f"DistributedOptimizer: named_parameters names '{name}' twice; "
-                             "parameter names must be unique")
+                                    "parameter names must be unique")
         names.add(name)
         result.setdefault(p, name)  # a tied parameter listed twice keeps its first name
     return result
@@ -534,7 +534,7 @@ def _plan_groups(names, groups, num_groups):
         raise HvdliteValueError("DistributedOptimizer: pass groups or num_groups, not both")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise HvdliteValueError("DistributedOptimizer: num_groups must be an int >= 0, "
-                         f"got {num_groups!r}")
+                                f"got {num_groups!r}")
     if groups is None:
         if not num_groups or not params:
             return [], {}
@@ -547,13 +547,13 @@ def _plan_groups(names, groups, num_groups):
             for p in group:
                 if not isinstance(p, torch.Tensor):
                     raise HvdliteValueError(f"DistributedOptimizer: groups[{gi}] holds a "
-                                     f"{type(p).__name__}, expected parameters")
+                                            f"{type(p).__name__}, expected parameters")
                 if p in seen:
                     raise HvdliteValueError(f"DistributedOptimizer: a parameter ('{names.get(p, '?')}') "
-                                     "is in more than one group")
+                                            "is in more than one group")
                 if p not in names:
                     raise HvdliteValueError(f"DistributedOptimizer: groups[{gi}] holds a parameter "
-                                     f"(shape {list(p.shape)}) that the optimizer does not train")
+                                            f"(shape {list(p.shape)}) that the optimizer does not train")
                 seen.add(p)
                 members.append(p)
             if members:

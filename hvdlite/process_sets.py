@@ -61,7 +61,7 @@ class ProcessSet:
         if self._generation != state.generation:
             # Set ids restart with every init(); this object's id would name another set.
             raise HvdliteValueError(f"{self!r} was added before hvdlite.shutdown(); process sets do not "
-                             "survive a restart: add it again after init()")
+                                    "survive a restart: add it again after init()")
         return state.sets[self.process_set_id]
 
     def size(self):
@@ -104,7 +104,7 @@ def add_process_set(process_set):
         raise HvdliteValueError(f"add_process_set: {process_set!r} was already added")
     if any(runtime.ranks == process_set.ranks for sid, runtime in state.sets.items() if sid != 0):
         raise HvdliteValueError(f"add_process_set: a process set with ranks {process_set.ranks} is already "
-                         "registered")
+                                "registered")
     size = state.topology.size
     bad = [r for r in process_set.ranks if not 0 <= r < size]
     if bad:

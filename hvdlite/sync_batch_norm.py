@@ -149,10 +149,10 @@ class SyncBatchNorm(_BatchNorm):
     def _check_input_dim(self, input):
         if not 2 <= input.dim() <= 5:
             raise HvdliteValueError(f"SyncBatchNorm: expected a 2D to 5D input (N, C, ...), got "
-                             f"{input.dim()}D input of size {list(input.shape)}")
+                                    f"{input.dim()}D input of size {list(input.shape)}")
         if input.size(1) != self.num_features:
             raise HvdliteValueError(f"SyncBatchNorm: expected {self.num_features} channels in "
-                             f"dimension 1, got input of size {list(input.shape)}")
+                                    f"dimension 1, got input of size {list(input.shape)}")
 
     def _momentum_factor(self):
         """The running-stats factor, counting this batch as torch's _BatchNorm does."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Dict, Mapping
 
 from hvdlite._job import rendezvous
-from hvdlite._job.place import PLACE_VARIABLES, Place, environment
+from hvdlite._job.place import PLACE_VARIABLES, environment
 from hvdlite._job.rendezvous import LauncherStore
 
 from .hosts import SlotInfo
@@ -41,9 +41,7 @@ def rank_environment(base: Mapping[str, str], slot: SlotInfo, rdzv: Rendezvous,
     """`base` (the launcher's environment plus extras) with this rank's variables on top."""
     env = dict(base)
     env.update(core)
-    place = Place(slot.rank, slot.size, slot.local_rank, slot.local_size, slot.cross_rank,
-                  slot.cross_size)
-    env.update(environment(place, slot.hostname))
+    env.update(environment(slot, slot.hostname))
     env.update(LauncherStore(rdzv.addr, rdzv.port, rdzv.secret).to_env())
     env.update({
         "MASTER_ADDR": rdzv.master_addr,

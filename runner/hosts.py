@@ -4,10 +4,10 @@ Everything here is pure (no sockets, no environment), so it is tested in one pro
 is one place a rank can run; a host offers some number of slots. Ranks are assigned host by host
 in the order the hosts were given: the first host's slots get ranks 0, 1, ..., then the next host.
 """
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
-from hvdlite._job.place import places
+from hvdlite._job.place import Place, places
 from hvdlite.exceptions import HostSpecError
 
 
@@ -18,16 +18,11 @@ class Host:
 
 
 @dataclass(frozen=True)
-class SlotInfo:
-    """Where one rank runs and its place in the job; the launcher turns it into HVDLITE_* vars."""
+class SlotInfo(Place):
+    """Where one rank runs (its host) and its place in the job; the launcher turns it into the
+    rank's environment (hvdlite/_job/place.environment)."""
 
-    hostname: str
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int  # index of this rank's host among the hosts that have a rank local_rank
-    cross_size: int  # number of hosts that have a rank with this local_rank
+    hostname: str = ""
 
 
 def _check_name(name: str, where: str) -> str:
@@ -151,6 +146,4 @@ def assign_slots(hosts: Sequence[Host], np: Optional[int]) -> List[SlotInfo]:
         if len(names) == np:
             break
     # Local and cross ranks by the one rule (Note [Cross ranks] in hvdlite/_job/place.py).
-    return [SlotInfo(hostname=name, rank=p.rank, size=p.size, local_rank=p.local_rank,
-                     local_size=p.local_size, cross_rank=p.cross_rank, cross_size=p.cross_size)
-            for name, p in zip(names, places(names))]
+    return [SlotInfo(**asdict(p), hostname=name) for name, p in zip(names, places(names))]

@@ -22,7 +22,7 @@ import sys
 
 from .. import _elastic_worker, basics
 from ..exceptions import (HostsUpdatedInterrupt, HvdliteError, MismatchError, NotInitializedError,
-                          ObjectPicklingError)
+                          ObjectPicklingError, WorkerRemoved)
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
@@ -45,7 +45,7 @@ def _reset(state, reason, lost):
     _elastic_worker.set_reason(reason, lost)
     try:
         basics.init()
-    except _elastic_worker.WorkerRemoved as removed:
+    except WorkerRemoved as removed:
         sys.stderr.write(f"hvdlite elastic: this worker leaves the job ({removed.why})\n")
         sys.stderr.flush()
         raise
