@@ -146,24 +146,11 @@ void WaitFor(Engine& engine, int64_t handle, at::Tensor* output, std::vector<int
 }
 
 py::dict ParseConfig(const std::map<std::string, std::string>& env) {
-  Config config = ConfigFromMap(env);
   py::dict out;
-  out["fusion_threshold_bytes"] = config.fusion_threshold_bytes;
-  out["cycle_time_ms"] = config.cycle_time_ms;
-  out["idle_heartbeat_ms"] = config.idle_heartbeat_ms;
-  out["stall_check_seconds"] = config.stall_check_seconds;
-  out["stall_shutdown_seconds"] = config.stall_shutdown_seconds;
-  out["log_level"] = static_cast<int>(config.log_level);
-  out["cache_capacity"] = config.cache_capacity;
-  out["inline_bytes"] = config.inline_bytes;
-  out["cpu_channels"] = config.cpu_channels;
-  out["gather_bytes"] = config.gather_bytes;
-  out["gather_max_ms"] = config.gather_max_ms;
-  out["autotune"] = config.autotune;
-  out["shared_memory"] = config.shared_memory;
-  out["hierarchical_allreduce"] = config.hierarchical_allreduce;
-  out["autotune_sample_seconds"] = config.autotune_sample_seconds;
-  out["autotune_log_path"] = config.autotune_log_path;
+  VisitSettings(ConfigFromMap(env), {[&](const char* key, int64_t v) { out[key] = v; },
+                                     [&](const char* key, double v) { out[key] = v; },
+                                     [&](const char* key, bool v) { out[key] = v; },
+                                     [&](const char* key, const std::string& v) { out[key] = v; }});
   return out;
 }
 
@@ -194,7 +181,8 @@ PYBIND11_MODULE(_core, m) {
   const std::pair<const char*, StatusCode> kCodes[] = {
       {"invalid_argument", StatusCode::kInvalidArgument}, {"mismatch", StatusCode::kMismatch},
       {"rank_failure", StatusCode::kRankFailure},         {"stall", StatusCode::kStall},
-      {"shutdown", StatusCode::kShutdown},                {"internal", StatusCode::kInternal}};
+      {"shutdown", StatusCode::kShutdown},                {"internal", StatusCode::kInternal},
+      {"reset", StatusCode::kReset}};
   for (const auto& [name, code] : kCodes) codes[name] = static_cast<int>(code);
   m.attr("REDUCE_OPS") = reduce_ops;
   m.attr("COLLECTIVE_KINDS") = kinds;
@@ -248,7 +236,7 @@ PYBIND11_MODULE(_core, m) {
            },
            py::call_guard<py::gil_scoped_release>())
       .def("set_timeline", &Engine::SetTimeline, py::arg("path"), py::call_guard<py::gil_scoped_release>())
-      .def("shutdown", &Engine::Shutdown, py::arg("reason") = "", py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &Engine::Shutdown, py::arg("reason") = "", py::arg("reset") = false, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("shared_memory", &Engine::shared_memory)

@@ -49,71 +49,125 @@ Status ParseLogLevel(const char* var, const char* value, LogLevel* out) {
   return BadValue(var, value, "one of trace, debug, info, warning, error");
 }
 
+// Note [One table of settings]
+// Every HVDLITE_* variable the core reads is one row of kSettings: its name, the field it
+// fills, how it is parsed (with its bounds and the words an error uses), whether it is
+// job-wide (Note [Job-wide settings]) and its key in Python's view (_core._parse_config).
+// Parsing, the job-wide list, the agreement digest and the Python view all walk this table,
+// so a new setting is one row and cannot be parsed but forgotten by the digest.
+struct Setting {
+  enum class Kind { kInt, kDouble, kFlag, kText, kLevel, kJoinAverage };
+  const char* variable;
+  const char* key;  // Python's name for the field; nullptr: not shown (test hooks)
+  Kind kind;
+  bool job_wide;
+  double minimum, maximum;
+  const char* expected;
+  int64_t Config::*int_field;
+  double Config::*double_field;
+  bool Config::*flag_field;
+  std::string Config::*text_field;
+};
+
+using K = Setting::Kind;
+constexpr double kNoMax = HUGE_VAL;
+Setting Int(const char* var, const char* key, bool job_wide, int64_t minimum, double maximum,
+            const char* expected, int64_t Config::*field) {
+  return {var, key, K::kInt, job_wide, static_cast<double>(minimum), maximum, expected, field, nullptr, nullptr, nullptr};
+}
+Setting Double(const char* var, const char* key, bool job_wide, double minimum, const char* expected,
+               double Config::*field) {
+  return {var, key, K::kDouble, job_wide, minimum, kNoMax, expected, nullptr, field, nullptr, nullptr};
+}
+Setting Flag(const char* var, const char* key, bool job_wide, bool Config::*field) {
+  return {var, key, K::kFlag, job_wide, 0, 1, "0 or 1", nullptr, nullptr, field, nullptr};
+}
+Setting Text(const char* var, const char* key, std::string Config::*field) {
+  return {var, key, K::kText, false, 0, 0, "", nullptr, nullptr, nullptr, field};
+}
+
+const std::vector<Setting>& Settings() {
+  static const std::vector<Setting> kSettings = {
+      Int("HVDLITE_FUSION_THRESHOLD", "fusion_threshold_bytes", true, 0, kNoMax, "a number of bytes >= 0",
+          &Config::fusion_threshold_bytes),
+      Double("HVDLITE_CYCLE_TIME", "cycle_time_ms", true, 0.0, "milliseconds >= 0", &Config::cycle_time_ms),
+      Double("HVDLITE_IDLE_HEARTBEAT_MS", "idle_heartbeat_ms", true, 1.0, "milliseconds >= 1",
+             &Config::idle_heartbeat_ms),
+      Double("HVDLITE_STALL_CHECK_TIME_SECONDS", "stall_check_seconds", true, 0.0, "seconds >= 0",
+             &Config::stall_check_seconds),
+      Double("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_seconds", true, 0.0,
+             "seconds >= 0 (0 disables)", &Config::stall_shutdown_seconds),
+      Int("HVDLITE_CACHE_CAPACITY", "cache_capacity", true, 0, kNoMax, "a number of names >= 0 (0 disables)",
+          &Config::cache_capacity),
+      Int("HVDLITE_INLINE_BYTES", "inline_bytes", true, 0, 1 << 20, "a number of bytes from 0 (disables) to 1048576",
+          &Config::inline_bytes),
+      Int("HVDLITE_GATHER_BYTES", "gather_bytes", true, 0, kNoMax, "a number of bytes >= 0 (0 disables)",
+          &Config::gather_bytes),
+      Double("HVDLITE_GATHER_MAX_MS", "gather_max_ms", true, 0.0, "milliseconds >= 0", &Config::gather_max_ms),
+      Int("HVDLITE_CPU_CHANNELS", "cpu_channels", true, 1, 16, "a number of process groups from 1 to 16",
+          &Config::cpu_channels),
+      Flag("HVDLITE_AUTOTUNE", "autotune", true, &Config::autotune),
+      Double("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", "autotune_sample_seconds", true, 0.001, "seconds >= 0.001",
+             &Config::autotune_sample_seconds),
+      {"HVDLITE_JOIN_AVERAGE", "average_over_contributors", K::kJoinAverage, true, 0, 0, "size or contributors",
+       nullptr, nullptr, &Config::average_over_contributors, nullptr},
+      Flag("HVDLITE_SHARED_MEMORY", "shared_memory", true, &Config::shared_memory),
+      Flag("HVDLITE_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", true, &Config::hierarchical_allreduce),
+      Text("HVDLITE_AUTOTUNE_LOG", "autotune_log_path", &Config::autotune_log_path),
+      Text("HVDLITE_TIMELINE", "timeline_path", &Config::timeline_path),
+      {"HVDLITE_LOG_LEVEL", "log_level", K::kLevel, false, 0, 0, "one of trace, debug, info, warning, error",
+       nullptr, nullptr, nullptr, nullptr},
+      Int("HVDLITE_TEST_FORGET_CACHE_AT_ROUND", nullptr, false, 0, kNoMax, "a round number >= 0",
+          &Config::test_forget_cache_round),
+  };
+  return kSettings;
+}
+
+// Parses `value` into the row's field of `config`.
+Status Parse(const Setting& s, const char* value, Config* config) {
+  switch (s.kind) {
+    case K::kInt: {
+      int64_t parsed = 0;
+      Status status = ParseInt(s.variable, value, static_cast<int64_t>(s.minimum), s.expected, &parsed);
+      if (!status.ok()) return status;
+      if (static_cast<double>(parsed) > s.maximum) return BadValue(s.variable, value, s.expected);
+      config->*s.int_field = parsed;
+      return Status::Ok();
+    }
+    case K::kDouble:
+      return ParseDouble(s.variable, value, s.minimum, s.expected, &(config->*s.double_field));
+    case K::kFlag: {
+      int64_t parsed = 0;
+      Status status = ParseInt(s.variable, value, 0, s.expected, &parsed);
+      if (!status.ok()) return status;
+      if (parsed > 1) return BadValue(s.variable, value, s.expected);
+      config->*s.flag_field = parsed == 1;
+      return Status::Ok();
+    }
+    case K::kJoinAverage: {
+      const std::string text = value;
+      if (text != "size" && text != "contributors") return BadValue(s.variable, value, s.expected);
+      config->*s.flag_field = text == "contributors";
+      return Status::Ok();
+    }
+    case K::kText:
+      config->*s.text_field = value;
+      return Status::Ok();
+    case K::kLevel:
+      return ParseLogLevel(s.variable, value, &config->log_level);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status Config::FromLookup(const std::function<const char*(const char*)>& lookup, Config* out) {
   Config config;
-  // Each setter reads one variable if it is set and non-empty; the first bad value wins.
-  auto set = [&](const char* var) -> const char* {
-    const char* value = lookup(var);
-    return value != nullptr && *value != '\0' ? value : nullptr;
-  };
-  auto number = [&](const char* var, double minimum, const char* expected, double* field) {
-    const char* value = set(var);
-    return value ? ParseDouble(var, value, minimum, expected, field) : Status::Ok();
-  };
-  auto integer = [&](const char* var, int64_t minimum, const char* expected, int64_t* field) {
-    const char* value = set(var);
-    return value ? ParseInt(var, value, minimum, expected, field) : Status::Ok();
-  };
-  int64_t autotune = 0, shared_memory = 1, hierarchical = 0;
-  const Status statuses[] = {
-      integer("HVDLITE_FUSION_THRESHOLD", 0, "a number of bytes >= 0", &config.fusion_threshold_bytes),
-      number("HVDLITE_CYCLE_TIME", 0.0, "milliseconds >= 0", &config.cycle_time_ms),
-      number("HVDLITE_IDLE_HEARTBEAT_MS", 1.0, "milliseconds >= 1", &config.idle_heartbeat_ms),
-      number("HVDLITE_STALL_CHECK_TIME_SECONDS", 0.0, "seconds >= 0", &config.stall_check_seconds),
-      number("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", 0.0, "seconds >= 0 (0 disables)",
-             &config.stall_shutdown_seconds),
-      integer("HVDLITE_CACHE_CAPACITY", 0, "a number of names >= 0 (0 disables)",
-              &config.cache_capacity),
-      integer("HVDLITE_INLINE_BYTES", 0, "a number of bytes >= 0 (0 disables)", &config.inline_bytes),
-      integer("HVDLITE_GATHER_BYTES", 0, "a number of bytes >= 0 (0 disables)", &config.gather_bytes),
-      number("HVDLITE_GATHER_MAX_MS", 0.0, "milliseconds >= 0", &config.gather_max_ms),
-      integer("HVDLITE_CPU_CHANNELS", 1, "a number of process groups from 1 to 16", &config.cpu_channels),
-      integer("HVDLITE_AUTOTUNE", 0, "0 or 1", &autotune),
-      integer("HVDLITE_SHARED_MEMORY", 0, "0 or 1", &shared_memory),
-      integer("HVDLITE_HIERARCHICAL_ALLREDUCE", 0, "0 or 1", &hierarchical),
-      number("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", 0.001, "seconds >= 0.001",
-             &config.autotune_sample_seconds),
-      integer("HVDLITE_TEST_FORGET_CACHE_AT_ROUND", 0, "a round number >= 0",
-              &config.test_forget_cache_round),
-  };
-  for (const Status& status : statuses) {
-    if (!status.ok()) return status;
-  }
-  if (config.inline_bytes > (1 << 20)) {
-    return BadValue("HVDLITE_INLINE_BYTES", set("HVDLITE_INLINE_BYTES"), "at most 1048576 bytes");
-  }
-  if (config.cpu_channels > 16) {
-    return BadValue("HVDLITE_CPU_CHANNELS", set("HVDLITE_CPU_CHANNELS"), "a number of process groups from 1 to 16");
-  }
-  if (autotune > 1) return BadValue("HVDLITE_AUTOTUNE", set("HVDLITE_AUTOTUNE"), "0 or 1");
-  config.autotune = autotune == 1;
-  if (shared_memory > 1) return BadValue("HVDLITE_SHARED_MEMORY", set("HVDLITE_SHARED_MEMORY"), "0 or 1");
-  config.shared_memory = shared_memory == 1;
-  if (hierarchical > 1) {
-    return BadValue("HVDLITE_HIERARCHICAL_ALLREDUCE", set("HVDLITE_HIERARCHICAL_ALLREDUCE"), "0 or 1");
-  }
-  config.hierarchical_allreduce = hierarchical == 1;
-  if (const char* value = set("HVDLITE_AUTOTUNE_LOG")) config.autotune_log_path = value;
-  if (const char* value = set("HVDLITE_JOIN_AVERAGE")) {
-    const std::string text = value;
-    if (text != "size" && text != "contributors") return BadValue("HVDLITE_JOIN_AVERAGE", value, "size or contributors");
-    config.average_over_contributors = text == "contributors";
-  }
-  if (const char* value = set("HVDLITE_TIMELINE")) config.timeline_path = value;
-  if (const char* value = set("HVDLITE_LOG_LEVEL")) {
-    Status status = ParseLogLevel("HVDLITE_LOG_LEVEL", value, &config.log_level);
+  // Each row reads its variable if it is set and non-empty; the first bad value wins.
+  for (const Setting& setting : Settings()) {
+    const char* value = lookup(setting.variable);
+    if (value == nullptr || *value == '\0') continue;
+    Status status = Parse(setting, value, &config);
     if (!status.ok()) return status;
   }
   *out = config;
@@ -121,35 +175,45 @@ Status Config::FromLookup(const std::function<const char*(const char*)>& lookup,
 }
 
 const std::vector<std::string>& JobWideVariables() {
-  static const std::vector<std::string> kVariables = {
-      "HVDLITE_FUSION_THRESHOLD",         "HVDLITE_CYCLE_TIME",
-      "HVDLITE_IDLE_HEARTBEAT_MS",        "HVDLITE_STALL_CHECK_TIME_SECONDS",
-      "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", "HVDLITE_CACHE_CAPACITY",
-      "HVDLITE_INLINE_BYTES",             "HVDLITE_GATHER_BYTES",
-      "HVDLITE_GATHER_MAX_MS",            "HVDLITE_CPU_CHANNELS",
-      "HVDLITE_AUTOTUNE",                 "HVDLITE_AUTOTUNE_SAMPLE_SECONDS",
-      "HVDLITE_JOIN_AVERAGE",             "HVDLITE_SHARED_MEMORY",
-      "HVDLITE_HIERARCHICAL_ALLREDUCE",
-  };
+  static const std::vector<std::string> kVariables = [] {
+    std::vector<std::string> out;
+    for (const Setting& s : Settings()) {
+      if (s.job_wide) out.push_back(s.variable);
+    }
+    return out;
+  }();
   return kVariables;
 }
 
 uint64_t JobWideDigest(const Config& c) {
-  // FNV-1a over the fields' bytes; doubles are compared bit for bit, as they were parsed from
-  // the same strings on every rank.
+  // FNV-1a over the job-wide fields' bytes, in table order; doubles are compared bit for bit,
+  // as they were parsed from the same strings on every rank.
   uint64_t h = 1469598103934665603ULL;
   auto mix = [&](const void* data, size_t n) {
     const auto* p = static_cast<const unsigned char*>(data);
     for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
   };
-  const int64_t ints[] = {c.fusion_threshold_bytes, c.cache_capacity, c.inline_bytes,
-                          c.gather_bytes, c.cpu_channels, c.autotune ? 1 : 0,
-                          c.average_over_contributors ? 1 : 0, c.shared_memory ? 1 : 0, c.hierarchical_allreduce ? 1 : 0};
-  const double doubles[] = {c.cycle_time_ms, c.idle_heartbeat_ms, c.stall_check_seconds,
-                            c.stall_shutdown_seconds, c.gather_max_ms, c.autotune_sample_seconds};
-  mix(ints, sizeof(ints));
-  mix(doubles, sizeof(doubles));
+  for (const Setting& s : Settings()) {
+    if (!s.job_wide) continue;
+    if (s.int_field) mix(&(c.*s.int_field), sizeof(int64_t));
+    if (s.double_field) mix(&(c.*s.double_field), sizeof(double));
+    if (s.flag_field) {
+      const uint8_t flag = (c.*s.flag_field) ? 1 : 0;
+      mix(&flag, 1);
+    }
+  }
   return h;
+}
+
+void VisitSettings(const Config& c, const SettingVisitor& visit) {
+  for (const Setting& s : Settings()) {
+    if (s.key == nullptr) continue;
+    if (s.int_field) visit.integer(s.key, c.*s.int_field);
+    if (s.double_field) visit.number(s.key, c.*s.double_field);
+    if (s.flag_field) visit.flag(s.key, c.*s.flag_field);
+    if (s.text_field) visit.text(s.key, c.*s.text_field);
+    if (s.kind == K::kLevel) visit.integer(s.key, static_cast<int64_t>(c.log_level));
+  }
 }
 
 }  // namespace hvdlite

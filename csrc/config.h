@@ -1,6 +1,7 @@
 // Config: every tunable of the core, filled once from HVDLITE_* variables when an engine is
 // created. Parsing is strict and an invalid value is an error naming the variable and the
-// value. Immutable after creation.
+// value. Immutable after creation. Each variable is one row of the table in config.cc (Note
+// [One table of settings]), which parsing, the job-wide list and the digest all read.
 //
 // Note [Job-wide settings]
 // The replicated controller is correct only while every rank feeds it the same inputs (Note
@@ -53,14 +54,14 @@ struct Config {
   int64_t gather_bytes = 4LL << 20;
   double gather_max_ms = 100.0;
   // HVDLITE_CPU_CHANNELS: Gloo process groups that carry CPU data; large allreduces are
-  // striped over them (Note [CPU channels] in executor.h). Rank 0's value applies to the job.
+  // striped over them (Note [CPU channels] in cpu_route.h). Rank 0's value applies to the job.
   int64_t cpu_channels = 4;
   // HVDLITE_SHARED_MEMORY: 1 (default) lets an engine whose ranks all run on one host allreduce
   // CPU tensors through shared memory (Note [Shared-memory allreduce] in shm_channel.h); 0
   // keeps everything on Gloo. Rank 0's value applies to the job.
   bool shared_memory = true;
   // HVDLITE_HIERARCHICAL_ALLREDUCE: 1 makes an engine whose ranks span several hosts reduce
-  // CPU tensors inside each host first (Note [Hierarchical allreduce] in executor.h); 0
+  // CPU tensors inside each host first (Note [Hierarchical allreduce] in cpu_route.h); 0
   // (default) runs one flat allreduce over every rank. Rank 0's value applies to the job.
   bool hierarchical_allreduce = false;
   // HVDLITE_AUTOTUNE: 1 makes rank 0 search the fusion threshold and cycle time during the
@@ -91,5 +92,15 @@ struct Config {
 const std::vector<std::string>& JobWideVariables();
 // A digest of the job-wide fields of `config` (Note [Job-wide settings]).
 uint64_t JobWideDigest(const Config& config);
+
+// Hands every shown field of `config` to the callback of its type, under its Python name
+// (Note [One table of settings] in config.cc); the binding builds _parse_config's dict so.
+struct SettingVisitor {
+  std::function<void(const char*, int64_t)> integer;
+  std::function<void(const char*, double)> number;
+  std::function<void(const char*, bool)> flag;
+  std::function<void(const char*, const std::string&)> text;
+};
+void VisitSettings(const Config& config, const SettingVisitor& visit);
 
 }  // namespace hvdlite

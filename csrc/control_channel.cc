@@ -8,8 +8,8 @@
 
 namespace hvdlite {
 
-ControlChannel::ControlChannel(CollectiveBackend* backend, int size)
-    : backend_(backend), size_(size), slot_splits_(size, kSlotBytes) {
+ControlChannel::ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int size)
+    : backend_(backend), shm_(shm), size_(size), slot_splits_(size, kSlotBytes) {
   auto options = at::TensorOptions().dtype(at::kByte);
   send_ = at::zeros({kSlotBytes * size}, options);
   receive_ = at::zeros({kSlotBytes * size}, options);

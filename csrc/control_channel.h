@@ -28,11 +28,11 @@ namespace hvdlite {
 
 class ControlChannel {
  public:
-  ControlChannel(CollectiveBackend* backend, int size);
+  // Note [Control exchange through shared memory] (shm_channel.h): with `shm`, slots travel
+  // through it (an engine whose ranks all share one host), else through `backend`.
+  ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int size);
   // Every rank calls this once per round; returns every rank's bytes, indexed by rank.
   std::vector<std::string> Exchange(const std::string& mine);
-  // Note [Control exchange through shared memory] (shm_channel.h): slots travel through `shm`.
-  void UseSharedMemory(ShmChannel* shm) { shm_ = shm; }
 
  private:
   // Every message at the longest length, by Gloo allgather (a message did not fit in a slot).
@@ -42,7 +42,7 @@ class ControlChannel {
   static constexpr int64_t kSlotBytes = 2048;
   static constexpr int64_t kHeaderBytes = 8;
   CollectiveBackend* backend_;
-  ShmChannel* shm_ = nullptr;  // owned by the engine
+  ShmChannel* shm_;  // owned by the engine; may be null
   int size_;
   std::vector<int64_t> slot_splits_;  // kSlotBytes for every rank
   at::Tensor send_;                   // this rank's slot, once per destination rank

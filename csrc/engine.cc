@@ -45,18 +45,14 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       cross_(std::move(cross)),
       hierarchical_(hierarchical),
       timeline_(config.timeline_path, rank, size),
-      channel_(control_backend_.get(), size),
+      channel_(control_backend_.get(), hierarchical ? nullptr : shm_.get(), size),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
                   static_cast<size_t>(config.cache_capacity), config.average_over_contributors),
-      executor_(rank, size, Pointers(cpu_backends_), cuda_backend_.get(), &queue_, &handles_, &timeline_),
+      executor_(rank, size, cpu_backends_.front().get(),
+                ChooseCpuRoute({Pointers(cpu_backends_), shm_.get(), cross_.get(), hierarchical_}),
+                cuda_backend_.get(), &queue_, &handles_, &timeline_),
       settings_digest_(JobWideDigest(config)),
       params_{config.fusion_threshold_bytes, config.cycle_time_ms} {
-  if (hierarchical_) {
-    executor_.UseHierarchical(shm_.get(), cross_.get());
-  } else {
-    executor_.UseSharedMemory(shm_.get());
-    channel_.UseSharedMemory(shm_.get());  // Note [Control exchange through shared memory]
-  }
   if (shm_) shm_->YieldWhile(queue_.waiting());  // Note [Yield only while a caller waits]
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
@@ -197,10 +193,13 @@ void Engine::ApplyTimelineRequest() {
   timeline_cv_.notify_all();
 }
 
-void Engine::Shutdown(const std::string& reason) {
+void Engine::Shutdown(const std::string& reason, bool reset) {
   {
     std::lock_guard<std::mutex> lock(shutdown_mu_);
-    if (!shutdown_requested_ && shutdown_reason_.empty()) shutdown_reason_ = reason;
+    if (!shutdown_requested_ && shutdown_reason_.empty()) {
+      shutdown_reason_ = reason;
+      shutdown_reset_ = reset;
+    }
   }
   shutdown_requested_ = true;
   queue_.Wake();
@@ -307,8 +306,7 @@ Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {
   return idle_for < std::chrono::seconds(2) ? std::min(slow, Millis(kActiveHeartbeatMs)) : slow;
 }
 
-bool Engine::RunRound(bool* stuck, bool* quiet) {
-  if (++rounds_ == config_.test_forget_cache_round) controller_.ForgetCacheForTest();
+RankMessage Engine::ComposeMessage() {
   RankMessage mine;
   mine.clock_ms = NowMs();
   mine.settings_digest = settings_digest_;
@@ -317,6 +315,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
     mine.flags |= kFlagShutdown;
     std::lock_guard<std::mutex> lock(shutdown_mu_);
     mine.shutdown_reason = shutdown_reason_;
+    if (shutdown_reset_) mine.flags |= kFlagReset;
   }
   mine.requests = queue_.TakeNewRequests();
   if (!mine.requests.empty() || queue_.HasInFlight()) mine.flags |= kFlagHasOutstanding;
@@ -324,7 +323,45 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
     mine.flags |= kFlagTuned;
     mine.tuned = tuner_->current();
   }
+  return mine;
+}
 
+Status Engine::DecodeRound(const std::vector<std::string>& raw, std::vector<RankMessage>* messages) {
+  messages->assign(size_, RankMessage());
+  std::vector<int> shutting_down;
+  std::string why;  // the shutting-down ranks' reasons, as the others will read them
+  bool reset = false;  // some rank asked for a reset (kFlagReset)
+  for (int r = 0; r < size_; ++r) {
+    Status status = DecodeRankMessage(
+        raw[r].data(), raw[r].size(), &(*messages)[r],
+        [this, r](uint32_t id, Request* out) { return controller_.CacheResolve(r, id, out); });
+    if (!status.ok()) {
+      return Status::Of(StatusCode::kRankFailure, "", "",
+                        "rank " + std::to_string(r) + " sent a malformed control message: " + status.message(),
+                        {r});
+    }
+    const RankMessage& message = (*messages)[r];
+    if (message.flags & kFlagShutdown) {
+      shutting_down.push_back(r);
+      if (message.flags & kFlagReset) reset = true;
+      if (!message.shutdown_reason.empty()) {
+        why += (why.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ", which is " +
+               message.shutdown_reason;
+      }
+    }
+  }
+  if (messages->front().flags & kFlagTuned) params_ = messages->front().tuned;  // Note [Autotune]
+  if (shutting_down.empty()) return Status::Ok();
+  // Kept until the round is executed: the operations it decided complete first.
+  return Status::Of(reset ? StatusCode::kReset : StatusCode::kShutdown, "", "",
+                    why.empty() ? "hvdlite was shut down (requested by " + RanksString(shutting_down) + ")"
+                                : "hvdlite was shut down by " + why,
+                    shutting_down);
+}
+
+bool Engine::RunRound(bool* stuck, bool* quiet) {
+  if (++rounds_ == config_.test_forget_cache_round) controller_.ForgetCacheForTest();
+  RankMessage mine = ComposeMessage();
   const bool debug = logger_.Enabled(LogLevel::kDebug);
   const auto t0 = Clock::now();
   std::vector<std::string> raw = channel_.Exchange(EncodeRankMessage(
@@ -334,28 +371,12 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
     Stop(agreement);
     return false;
   }
-  std::vector<RankMessage> messages(size_);
-  std::vector<int> shutting_down;
-  std::string why;  // the shutting-down ranks' reasons, as the others will read them
-  for (int r = 0; r < size_; ++r) {
-    Status status = DecodeRankMessage(
-        raw[r].data(), raw[r].size(), &messages[r],
-        [this, r](uint32_t id, Request* out) { return controller_.CacheResolve(r, id, out); });
-    if (!status.ok()) {
-      Stop(Status::Of(StatusCode::kRankFailure, "", "",
-                      "rank " + std::to_string(r) + " sent a malformed control message: " + status.message(),
-                      {r}));
-      return false;
-    }
-    if (messages[r].flags & kFlagShutdown) {
-      shutting_down.push_back(r);
-      if (!messages[r].shutdown_reason.empty()) {
-        why += (why.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ", which is " +
-               messages[r].shutdown_reason;
-      }
-    }
+  std::vector<RankMessage> messages;
+  Status shutdown = DecodeRound(raw, &messages);
+  if (shutdown.code() == StatusCode::kRankFailure) {
+    Stop(shutdown);
+    return false;
   }
-  if (messages.front().flags & kFlagTuned) params_ = messages.front().tuned;  // Note [Autotune]
   const auto t1 = Clock::now();
   RoundResult round = controller_.ProcessRound(std::move(messages));
   if (!round.stall_warning.empty()) logger_.Log(LogLevel::kWarning, round.stall_warning);
@@ -384,11 +405,8 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
                                       us(t1 - t0) + " us, plan " + us(t2 - t1) + " us, execute " +
                                       us(Clock::now() - t2) + " us");
   }
-  if (round.shutdown) {
-    Stop(Status::Of(StatusCode::kShutdown, "", "",
-                    why.empty() ? "hvdlite was shut down (requested by " + RanksString(shutting_down) + ")"
-                                : "hvdlite was shut down by " + why,
-                    shutting_down));
+  if (!shutdown.ok()) {  // the same test as round.shutdown: some rank's kFlagShutdown
+    Stop(shutdown);
     return false;
   }
   *stuck = round.quiet && round.all_outstanding;
@@ -452,7 +470,7 @@ Status Engine::CheckDigests(const std::vector<std::string>& raw) const {
 }
 
 void Engine::Stop(const Status& status) {
-  if (status.code() != StatusCode::kShutdown) logger_.Log(LogLevel::kError, status.message());
+  if (status.code() != StatusCode::kShutdown && status.code() != StatusCode::kReset) logger_.Log(LogLevel::kError, status.message());
   std::vector<Entry> remaining = queue_.Close(status);
   for (Entry& entry : remaining) {
     // Note [Status subjects]: the failure, now about this entry (unless it already was).

@@ -45,7 +45,7 @@
 //     rank sees the same digests in the same round, so every rank stops in that round, before
 //     deciding anything, with a kMismatch naming the ranks that differ.
 // Shutdown by any rank is negotiated: every rank stops after the round in which it is seen,
-// failing what is still pending with kShutdown.
+// failing what is still pending with kShutdown (kReset if a rank asked for a reset).
 #pragma once
 
 #include <atomic>
@@ -88,7 +88,7 @@ struct EnqueueArgs {
 class Engine {
  public:
   // `cuda` may be null. The engine starts its thread at once.
-  // `cpu` holds one backend per CPU channel, at least one (Note [CPU channels] in executor.h).
+  // `cpu` holds one backend per CPU channel, at least one (Note [CPU channels] in cpu_route.h).
   Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
          std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
          std::shared_ptr<ShmChannel> shm = nullptr, std::unique_ptr<CollectiveBackend> cross = nullptr,
@@ -114,7 +114,9 @@ class Engine {
   bool SetTimeline(const std::string& path);
   // Blocks until the background thread has stopped; idempotent. `reason` travels to the other
   // ranks, whose pending operations then fail quoting it ("exiting after RuntimeError: ...").
-  void Shutdown(const std::string& reason = "");
+  // With `reset` every rank's pending work fails with kReset instead of kShutdown: the code,
+  // not the words, tells an elastic worker that it should start again.
+  void Shutdown(const std::string& reason = "", bool reset = false);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -132,6 +134,11 @@ class Engine {
   void Loop();
   // One negotiation round; returns false when the engine must stop.
   bool RunRound(bool* stuck, bool* quiet);
+  // RunRound's steps: this rank's message for the round; every rank's, decoded, with the
+  // status the round ends the engine with when a rank shuts down (Ok if none does), or a
+  // kRankFailure when a message is malformed.
+  RankMessage ComposeMessage();
+  Status DecodeRound(const std::vector<std::string>& raw, std::vector<RankMessage>* messages);
   Clock::duration IdleHeartbeat(Clock::duration idle_for) const;
   void CoalesceBurst();
   void GatherBySize();
@@ -172,6 +179,7 @@ class Engine {
   std::mutex shutdown_mu_;
   std::mutex join_mu_;  // Shutdown may be called from two threads (elastic notice, shutdown())
   std::string shutdown_reason_;  // under shutdown_mu_; set before shutdown_requested_
+  bool shutdown_reset_ = false;   // under shutdown_mu_, with shutdown_reason_
   std::atomic<int64_t> name_counter_{0};
   std::thread thread_;
 };

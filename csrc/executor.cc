@@ -48,11 +48,12 @@ at::Scalar Identity(ReduceOp op, c10::ScalarType dtype) {
 
 }  // namespace
 
-Executor::Executor(int rank, int size, std::vector<CollectiveBackend*> cpu, CollectiveBackend* cuda,
-                   TensorQueue* queue, HandleTable* handles, Timeline* timeline)
+Executor::Executor(int rank, int size, CollectiveBackend* cpu, std::unique_ptr<CpuRoute> cpu_route,
+                   CollectiveBackend* cuda, TensorQueue* queue, HandleTable* handles, Timeline* timeline)
     : rank_(rank),
       size_(size),
-      cpu_(std::move(cpu)),
+      cpu_(cpu),
+      cpu_route_(std::move(cpu_route)),
       cuda_(cuda),
       queue_(queue),
       handles_(handles),
@@ -75,13 +76,13 @@ void Executor::Trace(const std::vector<Local>& locals, int64_t start_us, int64_t
   }
 }
 
-bool Executor::UsesSharedMemory(CollectiveKind kind, c10::Device device) const {
-  return (shm_ != nullptr || hierarchical_) && device.is_cpu() &&
-         (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter);
+std::string Executor::RouteName(CollectiveKind kind, c10::Device device, CollectiveBackend* backend) const {
+  const bool reduction = kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter;
+  return reduction && device.is_cpu() ? cpu_route_->name() : backend->name();
 }
 
 CollectiveBackend* Executor::BackendFor(c10::Device device) {
-  return device.is_cpu() ? cpu_.front() : cuda_;
+  return device.is_cpu() ? cpu_ : cuda_;
 }
 
 c10::Stream Executor::EngineStream(c10::Device device) {
@@ -123,7 +124,7 @@ void Executor::Fail(std::vector<Local>& locals, const Status& status) {
   }
 }
 
-void Executor::Execute(const Batch& batch) {
+std::vector<Executor::Local> Executor::TakeLocals(const Batch& batch) {
   std::vector<Local> locals;
   for (const ReadyItem& item : batch.items) {
     Local local{&item, Entry()};
@@ -140,6 +141,11 @@ void Executor::Execute(const Batch& batch) {
     }
     locals.push_back(std::move(local));
   }
+  return locals;
+}
+
+void Executor::Execute(const Batch& batch) {
+  std::vector<Local> locals = TakeLocals(batch);
   if (locals.empty()) return;
 
   const CollectiveKind kind = batch.items.front().request.kind;
@@ -165,7 +171,6 @@ void Executor::Execute(const Batch& batch) {
   // after the events recorded on the callers' streams at enqueue; c10d's device backends order
   // their work after the current stream. CPU tensors need none of this.
   std::optional<c10::StreamGuard> stream_guard;
-  std::shared_ptr<c10::Event> done_event;
   if (!device.is_cpu()) {
     c10::Stream stream = EngineStream(device);
     for (Local& local : locals) {
@@ -175,8 +180,17 @@ void Executor::Execute(const Batch& batch) {
   }
 
   const int64_t start_us = timeline_->enabled() ? MonotonicMicros() : 0;
+  RunOrFail(locals, backend, device);
+  std::shared_ptr<c10::Event> done_event = RecordDone(locals, device);
+  if (timeline_->enabled()) Trace(locals, start_us, MonotonicMicros());
+  Complete(locals, done_event);
+  // `locals` dies here, outside every lock (Note [GIL and tensor references]).
+}
+
+void Executor::RunOrFail(std::vector<Local>& locals, CollectiveBackend* backend, c10::Device device) {
   collective_start_us_ = collective_end_us_ = 0;
   collective_started_ = false;
+  const CollectiveKind kind = locals.front().item->request.kind;
   const std::string& name = locals.front().item->request.name;
   try {
     Run(locals, backend);
@@ -191,21 +205,25 @@ void Executor::Execute(const Batch& batch) {
       throw StatusError(status);
     }
     Fail(locals, Status::Of(StatusCode::kRankFailure, KindName(kind), name,
-                            std::string("failed in ") + (UsesSharedMemory(kind, device) ? (hierarchical_ ? "the hierarchical allreduce" : "shared memory") : backend->name()) + ": " + ExceptionText(e)));
+                            "failed in " + RouteName(kind, device, backend) + ": " + ExceptionText(e)));
     throw;
   }
+}
 
-  if (!device.is_cpu()) {
-    c10::Stream stream = EngineStream(device);
-    done_event = std::make_shared<c10::Event>(device.type());
-    done_event->record(stream);
-    for (Local& local : locals) {
-      // The caching allocator must not hand these blocks out again before our stream is done.
-      local.entry.input.record_stream(stream);
-      if (local.entry.output.defined()) local.entry.output.record_stream(stream);
-    }
+std::shared_ptr<c10::Event> Executor::RecordDone(std::vector<Local>& locals, c10::Device device) {
+  if (device.is_cpu()) return nullptr;
+  c10::Stream stream = EngineStream(device);
+  auto done_event = std::make_shared<c10::Event>(device.type());
+  done_event->record(stream);
+  for (Local& local : locals) {
+    // The caching allocator must not hand these blocks out again before our stream is done.
+    local.entry.input.record_stream(stream);
+    if (local.entry.output.defined()) local.entry.output.record_stream(stream);
   }
-  if (timeline_->enabled()) Trace(locals, start_us, MonotonicMicros());
+  return done_event;
+}
+
+void Executor::Complete(std::vector<Local>& locals, const std::shared_ptr<c10::Event>& done_event) {
   std::vector<std::pair<int64_t, Completion>> done;  // Note [Completing in one step]
   done.reserve(locals.size());
   for (Local& local : locals) {
@@ -214,7 +232,6 @@ void Executor::Execute(const Batch& batch) {
                       Completion{Status::Ok(), local.entry.output, done_event, std::move(local.aux)});
   }
   handles_->CompleteAll(&done);
-  // `locals` dies here, outside every lock (Note [GIL and tensor references]).
 }
 
 void Executor::Run(std::vector<Local>& locals, CollectiveBackend* backend) {

@@ -11,26 +11,8 @@
 // not take part (out of memory for a fusion buffer), else unchanged (the transport failed).
 //
 // The code is split by concept: executor.cc dispatches a batch and completes its handles,
-// executor_reduce.cc runs reductions (fusion, striping over channels), executor_data.cc the
+// executor_reduce.cc runs reductions (fusion, then the route: cpu_route.cc), executor_data.cc the
 // collectives that only move data, inline_payloads.cc the results computed from payloads.
-//
-// Note [Hierarchical allreduce]
-// HVDLITE_HIERARCHICAL_ALLREDUCE=1, in a job whose ranks span several hosts: each host's ranks
-// reduce through their shared-memory channel, the first rank of each host allreduces that sum
-// with the other hosts' first ranks over a Gloo group of its own ("cross"), and the host's
-// ranks copy the result out of the channel (ShmChannel::Allreduce with `across`), chunk by
-// chunk. Only one rank per host sends across the network, once per byte, where the flat ring
-// over every rank crosses hosts at several places. CPU allreduces and reducescatters only.
-//
-// Note [CPU channels]
-// A Gloo allreduce of one large buffer does not keep loopback TCP busy: on the 2-rank
-// reference machine a 64 MB allreduce took 49-51 ms through one process group, 42-48 ms split
-// in two halves over two groups at once, and 37-44 ms in four quarters over four; at 16 MB two
-// groups took 10.5 ms against 13.7 ms, while below ~4 MB the extra waits cost more than they
-// save. So the engine holds HVDLITE_CPU_CHANNELS Gloo groups for CPU data (rank 0's value,
-// agreed at init), and an allreduce of at least 2 x kStripeBytes is cut into equal stripes of
-// at least kStripeBytes, one per channel, started together and waited for together. The cut
-// depends only on the element count and the channel count, so every rank cuts the same way.
 #pragma once
 
 #include <c10/core/Stream.h>
@@ -44,6 +26,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "cpu_route.h"
 #include "fusion.h"
 #include "shm_channel.h"
 #include "status_error.h"
@@ -60,22 +43,14 @@ inline std::string ExceptionText(const std::exception& e) {
 
 class Executor {
  public:
-  // `cpu` holds at least one backend (Note [CPU channels]); `cuda` may be null when the job
-  // has no CUDA process group.
-  Executor(int rank, int size, std::vector<CollectiveBackend*> cpu, CollectiveBackend* cuda,
-           TensorQueue* queue, HandleTable* handles, Timeline* timeline);
+  // `cpu` moves CPU data (broadcast, allgather, alltoall); `cpu_route` carries CPU
+  // reductions (Note [CPU routes] in cpu_route.h); `cuda` may be null when the job has no
+  // CUDA process group.
+  Executor(int rank, int size, CollectiveBackend* cpu, std::unique_ptr<CpuRoute> cpu_route,
+           CollectiveBackend* cuda, TensorQueue* queue, HandleTable* handles, Timeline* timeline);
 
   void Execute(const Batch& batch);
   void ReleaseBuffers() { buffers_.Clear(); }
-  // Note [Shared-memory allreduce]: from now on every CPU allreduce goes through `shm`.
-  void UseSharedMemory(ShmChannel* shm) { shm_ = shm; }
-  // Note [Hierarchical allreduce]: CPU allreduces go through `local` (this host's ranks; null
-  // when this rank is alone on its host) and, on each host's first rank, `cross`.
-  void UseHierarchical(ShmChannel* local, CollectiveBackend* cross) {
-    hierarchical_ = true;
-    shm_ = local;
-    cross_ = cross;
-  }
 
  private:
   struct Local {
@@ -85,12 +60,18 @@ class Executor {
     std::vector<int64_t> aux;
   };
   CollectiveBackend* BackendFor(c10::Device device);
-  bool UsesSharedMemory(CollectiveKind kind, c10::Device device) const;
+  // What a failed collective of `kind` on `device` went through, for the error.
+  std::string RouteName(CollectiveKind kind, c10::Device device, CollectiveBackend* backend) const;
+  // Execute's steps: the entries this rank takes part with; the collective and its errors;
+  // the device bookkeeping after it; the handles' completion.
+  std::vector<Local> TakeLocals(const Batch& batch);
+  void RunOrFail(std::vector<Local>& locals, CollectiveBackend* backend, c10::Device device);
+  std::shared_ptr<c10::Event> RecordDone(std::vector<Local>& locals, c10::Device device);
+  void Complete(std::vector<Local>& locals, const std::shared_ptr<c10::Event>& done_event);
   Entry NeutralEntry(const ReadyItem& item);
   void Reduce(std::vector<Local>& locals, CollectiveBackend* backend);
-  // Allreduces a flat contiguous tensor, striped over the CPU channels when it is large, and
-  // applies `finish` to each part as soon as that part is reduced (the others may still be in
-  // flight): averaging and postscaling overlap the rest of the collective.
+  // Allreduces a flat contiguous tensor (a CPU one through the CPU route) and applies
+  // `finish` to each part as soon as that part is reduced (CpuRoute::AllreduceFlat).
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend,
                      const std::function<void(at::Tensor&)>& finish);
   void Broadcast(std::vector<Local>& locals, CollectiveBackend* backend);
@@ -110,11 +91,9 @@ class Executor {
 
   int rank_;
   int size_;
-  std::vector<CollectiveBackend*> cpu_;  // cpu_[0] serves everything that is not striped
+  CollectiveBackend* cpu_;
+  std::unique_ptr<CpuRoute> cpu_route_;
   CollectiveBackend* cuda_;
-  ShmChannel* shm_ = nullptr;  // owned by the engine
-  bool hierarchical_ = false;
-  CollectiveBackend* cross_ = nullptr;  // owned by the engine; hierarchical, first rank of a host
   TensorQueue* queue_;
   HandleTable* handles_;
   FusionBufferPool buffers_;

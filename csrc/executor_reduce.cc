@@ -34,7 +34,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
 
   auto finish = [&](at::Tensor& part) { Postprocess(part, average, item.average_divisor, request.postscale); };
   Entry& first = locals.front().entry;
-  if (!scatter && total > 0 && shm_ != nullptr && first.input.device().is_cpu()) {
+  if (!scatter && total > 0 && first.input.device().is_cpu() && cpu_route_->FusesInPlace()) {
     // Note [Fusing straight into shared memory] (shm_channel.h)
     std::vector<ShmChannel::Piece> pieces;
     pieces.reserve(locals.size());
@@ -50,13 +50,10 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     }
     if (!pieces.empty() && !ShmChannel::PiecesOverlap(pieces)) {
       const double prescale = request.prescale;
-      // Note [Hierarchical allreduce]: the host's sum goes across hosts, chunk by chunk
-      ShmChannel::Hook across;
-      if (hierarchical_) across = [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, wire_op); };
       CollectiveStarts();
-      shm_->AllreducePieces(pieces, first.input.scalar_type(), wire_op,
-                            prescale == 1.0 ? ShmChannel::Hook() : [prescale](at::Tensor& t) { Scale(t, prescale); },
-                            finish, across);
+      cpu_route_->AllreducePieces(pieces, first.input.scalar_type(), wire_op,
+                                  prescale == 1.0 ? CpuRoute::Hook() : [prescale](at::Tensor& t) { Scale(t, prescale); },
+                                  finish);
       CollectiveEnds();
       return;
     }
@@ -100,58 +97,12 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
 
 void Executor::AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend,
                              const std::function<void(at::Tensor&)>& finish) {
-  // Note [CPU channels]
-  constexpr int64_t kStripeBytes = 8LL << 20;
-  if (hierarchical_ && flat.device().is_cpu()) {  // Note [Hierarchical allreduce]
-    if (shm_ == nullptr) {  // alone on this host: the same cuts as the other hosts' channels
-      const int64_t per = ShmChannel::kHierarchicalChunk / static_cast<int64_t>(flat.element_size());
-      for (int64_t offset = 0; offset < flat.numel(); offset += per) {
-        at::Tensor part = flat.narrow(0, offset, std::min(per, flat.numel() - offset));
-        cross_->Allreduce(part, op);
-      }
-      finish(flat);
-    } else {
-      // Scaled inside the channel, where Reduce's pieces path scales too: a rank that fused
-      // through a buffer and one that fused straight into the segment must leave the same
-      // bytes there (Note [Fusing straight into shared memory]).
-      shm_->Allreduce(flat, op, [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); }, finish);
-    }
+  if (flat.device().is_cpu()) {
+    cpu_route_->AllreduceFlat(flat, op, finish);  // Note [CPU routes]
     return;
   }
-  if (shm_ != nullptr && flat.device().is_cpu()) {  // Note [Shared-memory allreduce]
-    shm_->Allreduce(flat, op, nullptr, finish);  // scaled inside, as above
-    return;
-  }
-  const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
-  const int64_t stripes =
-      flat.device().is_cpu() ? std::min<int64_t>(static_cast<int64_t>(cpu_.size()), bytes / kStripeBytes) : 1;
-  if (stripes <= 1) {
-    backend->Allreduce(flat, op);
-    finish(flat);
-    return;
-  }
-  const int64_t per = (flat.numel() + stripes - 1) / stripes;
-  std::vector<at::Tensor> parts;
-  std::vector<std::function<void()>> waits;
-  std::exception_ptr failure;
-  for (int64_t i = 0; i < stripes && i * per < flat.numel(); ++i) {
-    parts.push_back(flat.narrow(0, i * per, std::min(per, flat.numel() - i * per)));
-    try {
-      waits.push_back(cpu_[i]->StartAllreduce(parts.back(), op));
-    } catch (...) {
-      failure = std::current_exception();
-      break;
-    }
-  }
-  for (size_t i = 0; i < waits.size(); ++i) {  // every started stripe is waited for before anything is thrown
-    try {
-      waits[i]();
-      if (!failure) finish(parts[i]);
-    } catch (...) {
-      if (!failure) failure = std::current_exception();
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
+  backend->Allreduce(flat, op);
+  finish(flat);
 }
 
 }  // namespace hvdlite

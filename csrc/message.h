@@ -53,11 +53,12 @@ enum RankMessageFlags : uint32_t {
   kFlagShutdown = 1u << 0,        // this rank is shutting down; everyone stops after this round
   kFlagHasOutstanding = 1u << 1,  // this rank waits on requests that are not complete yet
   kFlagTuned = 1u << 2,           // rank 0 only: `tuned` holds the parameters for this round
+  kFlagReset = 1u << 3,           // with kFlagShutdown: a reset; pending work fails with kReset
 };
 
 // Note [Protocol version]: the first four bytes of every control message; ranks running
 // builds that speak different protocols are refused at hvd.init(), before any round.
-constexpr uint32_t kProtocolVersion = 3;
+constexpr uint32_t kProtocolVersion = 4;
 
 struct RankMessage {
   uint32_t flags = 0;

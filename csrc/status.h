@@ -25,6 +25,8 @@ enum class StatusCode : uint8_t {
   kStall = 4,            // some ranks never submitted a tensor the others wait on
   kShutdown = 5,         // the engine was shut down with the operation pending
   kInternal = 6,         // this rank could not go on (out of memory) or a broken invariant
+  kReset = 7,            // a shutdown that is a reset: the job's members change (elastic), every
+                         // rank starts again (Note [Hosts updated] in hvdlite/_elastic_worker.py)
 };
 
 class Status {

@@ -26,10 +26,11 @@ When the discovery script reports new hosts, the launcher starts their workers, 
 they have asked for a place (they have imported torch by then), and only then sets
 ``elastic/notice/<generation>`` to "hosts". Every worker of that generation waits on that key
 in a helper thread (one blocking GET on its own connection); on "hosts" it asks its engine to
-shut down with HOSTS_UPDATED as the reason. Shutdown is negotiated (Note [Fatal errors] in
+shut down as a reset (HOSTS_UPDATED its words). Shutdown is negotiated (Note [Fatal errors] in
 csrc/engine.h), so every engine stops after the same round: the operations completed before
-it completed on every rank, and every later one fails on every rank, where the error becomes
-HostsUpdatedInterrupt. So the interrupt comes within one step of the notice and at the same
+it completed on every rank, and every later one fails on every rank with the status code
+kReset, which exceptions._from_status turns into HostsUpdatedInterrupt (the words are never
+parsed). So the interrupt comes within one step of the notice and at the same
 operation on every rank, not only at commit(). The launcher sets the key to "end" when it
 forms the next generation, which releases the helper threads of the old one.
 """
@@ -42,10 +43,14 @@ from . import _state
 from ._job import keys
 from ._job.launchers import is_elastic_worker
 from ._job.rendezvous import LauncherStore
-from .exceptions import HOSTS_UPDATED, ElasticAbort, WorkerRemoved
+from .exceptions import ElasticAbort, WorkerRemoved
 
 
 _ASSIGN_SLACK_SECONDS = 60.0
+
+# Why the engines shut down when the hosts change (Note [Hosts updated]): the other ranks'
+# messages quote it; the reset itself travels as a status code (kReset in csrc/status.h).
+HOSTS_UPDATED = "updating the job's hosts (elastic training; every rank resets)"
 
 
 
@@ -137,7 +142,7 @@ def watch_hosts(generation, engines):
         if value == b"hosts":
             _state.process.elastic.notified.add(str(generation))
             for engine in engines():
-                engine.shutdown(HOSTS_UPDATED)
+                engine.shutdown(HOSTS_UPDATED, reset=True)
 
     thread = threading.Thread(target=run, name=f"hvdlite-elastic-notice-{generation}", daemon=True)
     thread.start()

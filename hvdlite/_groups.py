@@ -2,11 +2,11 @@
 
 Each engine (the global one, and one per process set) gets a Gloo group for negotiation,
 HVDLITE_CPU_CHANNELS Gloo groups for CPU data (large allreduces are striped over them, Note
-[CPU channels] in csrc/executor.h), an NCCL group where CUDA is available, and, when all its
+[CPU channels] in csrc/cpu_route.h), an NCCL group where CUDA is available, and, when all its
 ranks run on one host, a shared-memory channel for CPU allreduces (Note [Shared-memory
 allreduce] in csrc/shm_channel.h), or, with HVDLITE_HIERARCHICAL_ALLREDUCE=1 across hosts, one
 channel per host and a Gloo group among each host's first rank (Note [Hierarchical allreduce] in
-csrc/executor.h). The settings
+csrc/cpu_route.h). The settings
 mapping is the same on every rank for the job-wide variables (Note [Job-wide settings] in
 csrc/config.h), so every rank creates the same groups.
 """

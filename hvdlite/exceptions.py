@@ -223,11 +223,6 @@ class JobFailedError(LaunchError, RuntimeError):
 # Scripts written for Horovod catch this name.
 HorovodInternalError = HvdliteError
 
-# The reason an elastic worker's engines shut down with when the hosts change (Note [Hosts
-# updated] in _elastic_worker.py); it travels to every rank in the engine's shutdown message.
-HOSTS_UPDATED = "updating the job's hosts (elastic training; every rank resets)"
-
-
 def _from_status(code, message, op="", tensor="", ranks=(), reason=""):
     """Builds the exception for an engine status (called by the native module's translator).
 
@@ -239,7 +234,7 @@ def _from_status(code, message, op="", tensor="", ranks=(), reason=""):
     if code == codes["invalid_argument"]:
         return HvdliteValueError(message, op=op or None, tensor_name=tensor or None,
                                  ranks=list(ranks) or None, reason=reason or None)
-    if code == codes["shutdown"] and HOSTS_UPDATED in message:
+    if code == codes["reset"]:  # Note [Hosts updated] in _elastic_worker.py
         return HostsUpdatedInterrupt(message, op=op or None, tensor_name=tensor or None,
                                      ranks=list(ranks) or None)
     cls = {

@@ -1,4 +1,4 @@
-"""A job for the hierarchical allreduce test (Note [Hierarchical allreduce], csrc/executor.h):
+"""A job for the hierarchical allreduce test (Note [Hierarchical allreduce], csrc/cpu_route.h):
 allreduces of every op over several dtypes and sizes, grouped, reducescatter and an optimizer
 step, each checked on every rank against a reference computed here from every rank's inputs.
 Prints one HIERARCHICAL line per rank."""

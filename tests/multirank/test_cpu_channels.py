@@ -1,4 +1,4 @@
-"""Large CPU allreduces striped over several Gloo groups (Note [CPU channels], csrc/executor.h).
+"""Large CPU allreduces striped over several Gloo groups (Note [CPU channels], csrc/cpu_route.h).
 
 Striping starts at 16 MiB; these tensors are cut into 2 to 4 stripes, with element counts that
 do not divide evenly, and every rank's result is checked against an independent reference.

@@ -1,0 +1,131 @@
+#include "cpu_route.h"
+
+#include <algorithm>
+#include <exception>
+
+namespace hvdlite {
+namespace {
+
+// Note [Hierarchical allreduce] (cpu_route.h)
+class HierarchicalRoute : public CpuRoute {
+ public:
+  HierarchicalRoute(ShmChannel* local, CollectiveBackend* cross) : local_(local), cross_(cross) {}
+  std::string name() const override { return "the hierarchical allreduce"; }
+
+  bool FusesInPlace() const override { return local_ != nullptr; }
+  void AllreducePieces(const std::vector<ShmChannel::Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
+                       const Hook& prescale, const Hook& finish) override {
+    // The host's sum goes across hosts, chunk by chunk.
+    local_->AllreducePieces(pieces, dtype, op, prescale, finish,
+                            [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); });
+  }
+
+  void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
+    if (local_ == nullptr) {  // alone on this host: the same cuts as the other hosts' channels
+      const int64_t per = ShmChannel::kHierarchicalChunk / static_cast<int64_t>(flat.element_size());
+      for (int64_t offset = 0; offset < flat.numel(); offset += per) {
+        at::Tensor part = flat.narrow(0, offset, std::min(per, flat.numel() - offset));
+        cross_->Allreduce(part, op);
+      }
+      finish(flat);
+      return;
+    }
+    // Finished inside the channel, chunk by chunk, as AllreducePieces does: a rank that fused
+    // through a buffer and one that fused straight into the segment must leave the same bytes
+    // there (Note [Fusing straight into shared memory]).
+    local_->Allreduce(flat, op, [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); }, finish);
+  }
+
+ private:
+  ShmChannel* local_;  // null when this rank is alone on its host
+  CollectiveBackend* cross_;
+};
+
+// Note [Shared-memory allreduce] (shm_channel.h)
+class SharedMemoryRoute : public CpuRoute {
+ public:
+  explicit SharedMemoryRoute(ShmChannel* shm) : shm_(shm) {}
+  std::string name() const override { return "shared memory"; }
+
+  bool FusesInPlace() const override { return true; }
+  void AllreducePieces(const std::vector<ShmChannel::Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
+                       const Hook& prescale, const Hook& finish) override {
+    shm_->AllreducePieces(pieces, dtype, op, prescale, finish);
+  }
+
+  void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
+    shm_->Allreduce(flat, op, nullptr, finish);  // finished inside, as above
+  }
+
+ private:
+  ShmChannel* shm_;
+};
+
+// Note [CPU channels] (cpu_route.h)
+class GlooChannelsRoute : public CpuRoute {
+ public:
+  explicit GlooChannelsRoute(std::vector<CollectiveBackend*> channels) : channels_(std::move(channels)) {}
+  std::string name() const override { return channels_.front()->name(); }
+
+  void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
+    constexpr int64_t kStripeBytes = 8LL << 20;
+    const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
+    const int64_t stripes = std::min<int64_t>(static_cast<int64_t>(channels_.size()), bytes / kStripeBytes);
+    if (stripes <= 1) {
+      channels_.front()->Allreduce(flat, op);
+      finish(flat);
+      return;
+    }
+    const int64_t per = (flat.numel() + stripes - 1) / stripes;
+    std::vector<at::Tensor> parts;
+    std::vector<std::function<void()>> waits;
+    std::exception_ptr failure;
+    for (int64_t i = 0; i < stripes && i * per < flat.numel(); ++i) {
+      parts.push_back(flat.narrow(0, i * per, std::min(per, flat.numel() - i * per)));
+      try {
+        waits.push_back(channels_[i]->StartAllreduce(parts.back(), op));
+      } catch (...) {
+        failure = std::current_exception();
+        break;
+      }
+    }
+    for (size_t i = 0; i < waits.size(); ++i) {  // every started stripe is waited for before anything is thrown
+      try {
+        waits[i]();
+        if (!failure) finish(parts[i]);
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
+
+ private:
+  std::vector<CollectiveBackend*> channels_;
+};
+
+}  // namespace
+
+std::unique_ptr<CpuRoute> ChooseCpuRoute(const CpuRouteInputs& in) {
+  using Candidate = std::unique_ptr<CpuRoute> (*)(const CpuRouteInputs&);
+  // Note [CPU routes]: in order of preference; each returns null where the job cannot use it.
+  static const Candidate kCandidates[] = {
+      [](const CpuRouteInputs& i) -> std::unique_ptr<CpuRoute> {
+        if (!i.hierarchical) return nullptr;
+        return std::make_unique<HierarchicalRoute>(i.shm, i.cross);
+      },
+      [](const CpuRouteInputs& i) -> std::unique_ptr<CpuRoute> {
+        if (i.shm == nullptr) return nullptr;
+        return std::make_unique<SharedMemoryRoute>(i.shm);
+      },
+      [](const CpuRouteInputs& i) -> std::unique_ptr<CpuRoute> {
+        return std::make_unique<GlooChannelsRoute>(i.channels);
+      },
+  };
+  for (Candidate candidate : kCandidates) {
+    if (auto route = candidate(in)) return route;
+  }
+  return nullptr;  // unreachable: the last candidate always applies
+}
+
+}  // namespace hvdlite

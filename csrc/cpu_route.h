@@ -1,0 +1,80 @@
+// CpuRoute: the way this engine's CPU allreduces and reducescatters travel, chosen once.
+//
+// Note [CPU routes]
+// A CPU reduction can travel three ways. ChooseCpuRoute, the one place the choice is made,
+// takes the first of these candidates that the job can use:
+//   1. hierarchical: HVDLITE_HIERARCHICAL_ALLREDUCE=1 and the ranks span hosts (Python then
+//      passes a cross-host group and, where a host has several ranks, their channel; Note
+//      [Hierarchical allreduce] below);
+//   2. shared memory: every rank on one host, with the channel open (Note [Shared-memory
+//      allreduce] in shm_channel.h);
+//   3. Gloo channels: everything else, striped over the CPU process groups (Note [CPU
+//      channels] below).
+// Its inputs are agreed at init() (Python opens the channel on every rank or on none), so
+// every rank takes the same route for the engine's life. The executor calls the route and
+// never asks which one it holds; collectives that only move data go through Gloo whatever
+// the route.
+//
+// Note [Hierarchical allreduce]
+// HVDLITE_HIERARCHICAL_ALLREDUCE=1, in a job whose ranks span several hosts: each host's ranks
+// reduce through their shared-memory channel, the first rank of each host allreduces that sum
+// with the other hosts' first ranks over a Gloo group of its own ("cross"), and the host's
+// ranks copy the result out of the channel (ShmChannel::Allreduce with `across`), chunk by
+// chunk. Only one rank per host sends across the network, once per byte, where the flat ring
+// over every rank crosses hosts at several places. CPU allreduces and reducescatters only.
+//
+// Note [CPU channels]
+// A Gloo allreduce of one large buffer does not keep loopback TCP busy: on the 2-rank
+// reference machine a 64 MB allreduce took 49-51 ms through one process group, 42-48 ms split
+// in two halves over two groups at once, and 37-44 ms in four quarters over four; at 16 MB two
+// groups took 10.5 ms against 13.7 ms, while below ~4 MB the extra waits cost more than they
+// save. So the engine holds HVDLITE_CPU_CHANNELS Gloo groups for CPU data (rank 0's value,
+// agreed at init), and an allreduce of at least 2 x kStripeBytes is cut into equal stripes of
+// at least kStripeBytes, one per channel, started together and waited for together. The cut
+// depends only on the element count and the channel count, so every rank cuts the same way.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "shm_channel.h"
+#include "types.h"
+
+namespace hvdlite {
+
+class CpuRoute {
+ public:
+  using Hook = ShmChannel::Hook;
+  virtual ~CpuRoute() = default;
+  // Named in errors: "failed in <name>: ...".
+  virtual std::string name() const = 0;
+  // Note [Fusing straight into shared memory] (shm_channel.h): whether the route has memory of
+  // its own that a batch can be fused into; if not, the executor fuses through a buffer.
+  virtual bool FusesInPlace() const { return false; }
+  // Only where FusesInPlace(): reduces the pieces in the route's memory and writes each result
+  // to its output.
+  virtual void AllreducePieces(const std::vector<ShmChannel::Piece>& pieces, c10::ScalarType dtype,
+                               ReduceOp op, const Hook& prescale, const Hook& finish) {}
+  // Allreduces a flat contiguous tensor (already prescaled) and applies `finish` to each part
+  // as soon as that part is reduced (the others may still be in flight), so averaging and
+  // postscaling overlap the rest of the collective.
+  virtual void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) = 0;
+};
+
+// What the engine was given; the pointers stay owned by the engine.
+struct CpuRouteInputs {
+  std::vector<CollectiveBackend*> channels;  // the Gloo groups for CPU data, at least one
+  ShmChannel* shm = nullptr;                 // this host's ranks' channel, if open
+  CollectiveBackend* cross = nullptr;        // hierarchical only: the hosts' first ranks
+  bool hierarchical = false;
+};
+
+// Note [CPU routes]: the first candidate the inputs allow.
+std::unique_ptr<CpuRoute> ChooseCpuRoute(const CpuRouteInputs& inputs);
+
+}  // namespace hvdlite
