@@ -125,3 +125,30 @@ def _shutdown_in_flight():
 def test_shutdown_fails_in_flight_operations_on_every_rank():
     result = Job(2, __name__, "_shutdown_in_flight").wait(timeout=60)[0]
     assert "allreduce of 'pending-at-shutdown'" in result and "shut down" in result, result
+
+
+def _reset_is_a_code(reset):
+    from hvdlite import _state
+    from hvdlite._elastic_worker import HOSTS_UPDATED
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warm-up")
+    if hvd.rank() == 0:
+        # The same words either way: only the code carried by the shutdown tells them apart.
+        _state.current().engine.shutdown(HOSTS_UPDATED, reset=reset)
+    else:
+        time.sleep(1.0)
+    try:
+        hvd.allreduce(torch.ones(2), name="after-reset")
+        outcome = ("completed", "")
+    except (hvd.HvdliteError, hvd.elastic.HostsUpdatedInterrupt) as exc:
+        outcome = (type(exc).__name__, str(exc))
+    hvd.shutdown()
+    return outcome
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_reset_travels_as_a_status_code_not_as_words(reset):
+    import hvdlite.elastic  # noqa: F401  (HostsUpdatedInterrupt's public home)
+    for rank, (kind, message) in enumerate(Job(2, __name__, "_reset_is_a_code", reset).wait(timeout=60)):
+        assert kind == ("HostsUpdatedInterrupt" if reset else "ShutdownError"), (rank, kind, message)
+        assert "allreduce of 'after-reset'" in message and "updating the job's hosts" in message, message

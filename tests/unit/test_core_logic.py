@@ -287,3 +287,12 @@ def test_autotune_config_is_strict():
     for value in ("2", "yes", "-1"):
         with pytest.raises(ValueError, match=f"invalid HVDLITE_AUTOTUNE='{value}'"):
             _core._parse_config({"HVDLITE_AUTOTUNE": value})
+
+
+def test_every_job_wide_setting_is_parsed_strictly():
+    # Note [One table of settings]: the job-wide list and the parser read the same rows, so
+    # each listed variable refuses a value that is no number, naming itself.
+    assert len(_core.JOB_WIDE_SETTINGS) == len(set(_core.JOB_WIDE_SETTINGS)) >= 15
+    for var in _core.JOB_WIDE_SETTINGS:
+        with pytest.raises(ValueError, match=f"invalid {var}='bogus'"):
+            _core._parse_config({var: "bogus"})
