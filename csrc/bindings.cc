@@ -109,18 +109,27 @@ int64_t EnqueueOne(Engine& engine, int kind, const at::Tensor& input,
   return handles.front();
 }
 
+// The dtypes the transports carry and reduce (Gloo for CPU tensors, NCCL for CUDA ones): the
+// one list, which Python's argument checks read as _core.CARRIED_DTYPES (hvdlite/_checks.py).
+constexpr std::pair<at::ScalarType, const char*> kCarriedDtypes[] = {
+    {at::kHalf, "float16"}, {at::kBFloat16, "bfloat16"}, {at::kFloat, "float32"}, {at::kDouble, "float64"},
+    {at::kByte, "uint8"},   {at::kChar, "int8"},         {at::kInt, "int32"},     {at::kLong, "int64"}};
+
+bool Carried(at::ScalarType dtype) {
+  for (const auto& [type, name] : kCarriedDtypes) {
+    if (type == dtype) return true;
+  }
+  return false;
+}
+
 // allreduce_async_'s common case (hvdlite/ops.py): an in-place allreduce of one dense CPU
 // tensor of a dtype the transport reduces, no scaling. Returns -1, enqueuing nothing, for any
 // other tensor (Python's general path then checks it and says what is wrong). The checks cost
 // nanoseconds here and a fraction of a microsecond each as Python attribute reads.
 int64_t AllreduceInPlace(Engine& engine, const at::Tensor& tensor, const std::string& name, int op) {
-  if (!tensor.defined() || !tensor.device().is_cpu() || tensor.layout() != at::kStrided) return -1;
-  switch (tensor.scalar_type()) {
-    case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kDouble:
-    case at::kByte: case at::kChar: case at::kInt: case at::kLong:
-      break;
-    default:
-      return -1;
+  if (!tensor.defined() || !tensor.device().is_cpu() || tensor.layout() != at::kStrided ||
+      !Carried(tensor.scalar_type())) {
+    return -1;
   }
   std::vector<EnqueueArgs> args;
   args.push_back(Args(static_cast<int>(CollectiveKind::kAllreduce), tensor, tensor, name, op, 0, 1.0, 1.0));
@@ -187,6 +196,9 @@ PYBIND11_MODULE(_core, m) {
   m.attr("REDUCE_OPS") = reduce_ops;
   m.attr("COLLECTIVE_KINDS") = kinds;
   m.attr("STATUS_CODES") = codes;
+  py::list dtypes;
+  for (const auto& [type, name] : kCarriedDtypes) dtypes.append(name);
+  m.attr("CARRIED_DTYPES") = dtypes;
   m.attr("PROTOCOL_VERSION") = kProtocolVersion;
   m.attr("BUILD_ID") = HVDLITE_BUILD_ID;
   m.attr("JOB_WIDE_SETTINGS") = JobWideVariables();
@@ -198,6 +210,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("hierarchical") = false)
       .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
       .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
+      .def("new_name", &Engine::NewName, py::arg("prefix"))
       .def("poll",
            [](Engine& engine, int64_t handle) {
              bool done = false;

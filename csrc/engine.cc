@@ -74,7 +74,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
   for (EnqueueArgs& a : args) {
     Entry entry;
     Request& r = entry.request;
-    r.name = a.name.empty() ? "hvdlite.noname." + std::to_string(name_counter_++) : a.name;
+    r.name = a.name.empty() ? NewName("hvdlite.noname") : a.name;
     r.kind = a.kind;
     r.dtype = static_cast<int8_t>(a.input.scalar_type());
     r.device_type = static_cast<int8_t>(a.input.device().type());

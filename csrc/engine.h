@@ -118,6 +118,9 @@ class Engine {
   // not the words, tells an elastic worker that it should start again.
   void Shutdown(const std::string& reason = "", bool reset = false);
 
+  // Note [Generated names]: "<prefix>.<n>", n counting every generated name of this engine.
+  std::string NewName(const std::string& prefix) { return prefix + "." + std::to_string(name_counter_++); }
+
   int rank() const { return rank_; }
   int size() const { return size_; }
   const Config& config() const { return config_; }
@@ -180,6 +183,12 @@ class Engine {
   std::mutex join_mu_;  // Shutdown may be called from two threads (elastic notice, shutdown())
   std::string shutdown_reason_;  // under shutdown_mu_; set before shutdown_requested_
   bool shutdown_reset_ = false;   // under shutdown_mu_, with shutdown_reason_
+  // Note [Generated names]
+  // An operation without a name gets one from its engine: the engine's counter is the one
+  // sequence that numbers every unnamed operation of the process set, those enqueued unnamed
+  // here ("hvdlite.noname.<n>") and the composite ones Python names before enqueuing (a group,
+  // a barrier, an Adasum or sparse allreduce: Engine.new_name). Ranks that issue the same
+  // unnamed calls in the same order so generate the same names.
   std::atomic<int64_t> name_counter_{0};
   std::thread thread_;
 };

@@ -22,9 +22,9 @@ Max = _core.REDUCE_OPS["Max"]
 Product = _core.REDUCE_OPS["Product"]
 _OP_NAMES = {value: name for name, value in _core.REDUCE_OPS.items()}
 
-# The dtypes the Gloo backend carries; NCCL carries the same for CUDA tensors.
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
-                     torch.int8, torch.int32, torch.int64)
+# The dtypes the transports carry (Gloo for CPU tensors, NCCL for CUDA ones); the native
+# module owns the list, as its lean allreduce path tests it too.
+_SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _core.CARRIED_DTYPES)
 _SUPPORTED_DTYPE_SET = frozenset(_SUPPORTED_DTYPES)
 # Reduced through int32 and cast back (two's complement: sums wrap as they would in int16).
 _WIDENED = {torch.int16: torch.int32}

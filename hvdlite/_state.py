@@ -28,7 +28,6 @@ class SetRuntime:
     engine: object  # _core.Engine or None
     groups: tuple   # keeps the process groups alive as long as the engine
     rank: int       # this rank's index in `ranks` (-1 when not a member)
-    name_ids: object = dataclasses.field(default_factory=lambda: itertools.count(1))
 
     @property
     def size(self):
@@ -118,11 +117,12 @@ def _elastic():
 
 
 def explain(exc, state=None, engine=None):
-    """Adds what is known about a lost peer to a RankFailureError (once per init). A failure of
-    the global engine (`engine` None or the global one) runs the census of Note [Failure
-    census]; a process set's cannot, as ranks outside the set would not answer."""
+    """Fills a RankFailureError's ``diagnosis`` and ``ranks`` with what is known about the lost
+    peers (found once per init). A failure of the global engine (`engine` None or the global
+    one) runs the census of Note [Failure census]; a process set's cannot, as ranks outside
+    the set would not answer. Other exceptions pass unchanged."""
     state = state or process.state
-    if not isinstance(exc, RankFailureError) or state is None or getattr(exc, "_explained", False):
+    if not isinstance(exc, RankFailureError) or state is None or exc.diagnosis is not None:
         return exc
     if state.failure is None:
         # Under elastic training the launcher names the lost workers, and the survivors reset
@@ -132,8 +132,7 @@ def explain(exc, state=None, engine=None):
                                            state.store if everyone else None, state.prefix,
                                            0.3 if _elastic() else 1.0)
     text, ranks = state.failure
+    exc.diagnosis = text  # "" when nothing more is known
     if text:
-        exc.args = (f"{exc.args[0]} ({text})",) + exc.args[1:]
         exc.ranks = ranks
-    exc._explained = True
     return exc

@@ -71,7 +71,17 @@ class MismatchError(HvdliteError):
 
 
 class RankFailureError(HvdliteError):
-    """A peer died or the transport failed: the job cannot continue without a restart."""
+    """A peer died or the transport failed: the job cannot continue without a restart.
+
+    ``diagnosis``: what this rank found out about the lost peers (which exited, which did not
+    answer; Note [Failure census] in _liveness.py), or None before the census. It is a field
+    of its own, shown after the engine's message, so neither is ever rewritten."""
+
+    diagnosis = None
+
+    def __str__(self):
+        message = super().__str__()
+        return f"{message} ({self.diagnosis})" if self.diagnosis else message
 
 
 class StallError(HvdliteError):

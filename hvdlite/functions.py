@@ -16,9 +16,6 @@ from . import basics, ops
 from .process_sets import global_process_set
 from .exceptions import HvdliteTypeError, HvdliteValueError, ObjectPicklingError
 
-# What the engine's broadcast carries; other tensors (bool, int16, complex, sparse) are pickled.
-_CARRIED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
-                   torch.int8, torch.int32, torch.int64)
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set):
@@ -179,7 +176,9 @@ def _check_root(fn, root_rank):
 
 
 def _engine_carries(tensor):
-    return tensor.layout == torch.strided and tensor.dtype in _CARRIED_DTYPES
+    """What broadcast_parameters and broadcast_optimizer_state send through the engine; other
+    tensors (bool, int16, complex, sparse) are pickled."""
+    return tensor.layout == torch.strided and tensor.dtype in ops._SUPPORTED_DTYPE_SET
 
 
 # Note [Pickling failures travel]

@@ -8,15 +8,16 @@ process set, which must all submit it. The differentiable synchronous forms (``a
 ``allgather``, ...) live in ``differentiable.py``.
 
 Names: operations with the same ``name`` on different ranks are matched together. Unnamed
-operations get a generated name from a per-process counter, so they match by call order; when
-several threads issue unnamed operations concurrently, give them names.
+operations get a generated name from their process set's engine (Note [Generated names] in
+csrc/engine.h), so they match by call order; when several threads issue unnamed operations
+concurrently, give them names.
 """
 
 import torch
 
 from . import _state
 from ._checks import (  # noqa: F401 (also used by other modules as ops.*)
-    _ANY_DTYPE, _REDUCIBLE, _WIDENED, Adasum, Average, Max, Min, Product, Sum,
+    _ANY_DTYPE, _REDUCIBLE, _SUPPORTED_DTYPE_SET, _WIDENED, Adasum, Average, Max, Min, Product, Sum,
     _check_name, _check_root, _check_scale, _check_splits, _check_tensor, _check_tensors,
     _resolve_op)
 from ._native import _core
@@ -30,15 +31,60 @@ _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER, _BARRIER, _JOIN =
     ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join"))
 
 
+# Note [One handle type]
+# A handle is an int, the key of state.handles; its value is a _Pending, whose poll() and
+# wait() are all that poll() and synchronize() call. Three kinds of work sit behind a handle,
+# each a subclass that says how to wait for it: engine operations with a `finish` that turns
+# the engine's outputs into the result (_Pending itself), allreduce_async_'s lean in-place case
+# (_InPlace: one core handle, the tensor is the result), and handles made of other handles
+# (_Combined: sparse_allreduce_async, Adasum). The classes are slotted and one is made per
+# call; the engine's own HandleTable (csrc/tensor_queue.h) holds the core handles.
+
 class _Pending:
-    """What synchronize() needs for one handle (a plain slotted class: one is made per call)."""
+    """Operations on one engine: synchronize() returns finish(the engine's outputs), a list of
+    (tensor, aux) pairs."""
 
     __slots__ = ("engine", "core_handles", "finish")
 
     def __init__(self, engine, core_handles, finish):
         self.engine = engine
         self.core_handles = core_handles
-        self.finish = finish  # list of (tensor, aux) from the engine -> what synchronize() returns
+        self.finish = finish
+
+    def poll(self):
+        return all(self.engine.poll(h) for h in self.core_handles)
+
+    def wait(self, state):
+        try:
+            if len(self.core_handles) == 1:
+                outputs = [self.engine.wait(self.core_handles[0])]
+            else:  # one call, GIL released once, for a whole group
+                outputs = self.engine.wait_all(self.core_handles)
+        except Exception as exc:
+            raise _state.explain(exc, state, self.engine)
+        return self.finish(outputs)
+
+
+class _InPlace(_Pending):
+    """allreduce_async_'s common case: one core handle on the global engine, and the tensor,
+    reduced in place, is the result."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, engine, core, tensor):
+        self.engine = engine
+        self.core_handles = (core,)
+        self.tensor = tensor
+
+    def poll(self):
+        return self.engine.poll(self.core_handles[0])
+
+    def wait(self, state):
+        try:
+            self.engine.wait_done(self.core_handles[0])
+        except Exception as exc:
+            raise _state.explain(exc, state, self.engine)
+        return self.tensor
 
 
 class CallableHandle(int):
@@ -55,15 +101,22 @@ class CallableHandle(int):
         return f"CallableHandle({int(self)})"
 
 
-class _Combined:
-    """A handle made of other handles (sparse_allreduce_async): synchronize() waits for all of
-    them, then returns finish(their results)."""
+class _Combined(_Pending):
+    """A handle made of other handles (sparse_allreduce_async; Adasum's, made of none, holds
+    results already computed): synchronize() waits for all of them, then returns
+    finish(their results)."""
 
-    __slots__ = ("handles", "finish")
+    __slots__ = ("handles",)
 
     def __init__(self, handles, finish):
         self.handles = handles
         self.finish = finish
+
+    def poll(self):
+        return all(poll(h) for h in self.handles)
+
+    def wait(self, state):
+        return self.finish(_synchronize_all(self.handles))
 
 
 def _runtime(fn, process_set):
@@ -116,7 +169,7 @@ def _no_nccl(fn):
 
 def _group_names(fn, process_set, name, count):
     _, runtime = _runtime(fn, process_set)
-    group = name or f"hvdlite.group.{next(runtime.name_ids)}"
+    group = name or runtime.engine.new_name("hvdlite.group")  # Note [Generated names]
     cache = _state.process.member_names  # (group, count) -> the members' names: the same every step
     names = cache.get((group, count)) if name else None
     if names is None:
@@ -163,7 +216,7 @@ def _adasum(fn, tensors, in_place, name, pre, post, process_set, grouped):
     """op=Adasum (hvdlite/adasum.py): computed at the call, per tensor; the handle then holds the
     results."""
     state, runtime = _runtime(fn, process_set)
-    base = name or f"hvdlite.adasum.{next(runtime.name_ids)}"
+    base = name or runtime.engine.new_name("hvdlite.adasum")
 
     def exchange(rows, splits, part):
         return synchronize(alltoall_async(rows, splits=splits, name=part, process_set=process_set))[0]
@@ -235,7 +288,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     # (they cost about a microsecond per tensor): a plain op, no scaling, the global set; the
     # engine takes the tensor if it is strided, on the CPU and of a dtype the transport reduces
     # (it checks that in C++), else returns -1. Anything else takes the general path, which also
-    # says what is wrong. The handle maps to a (core handle, tensor) pair (see synchronize).
+    # says what is wrong. The handle maps to an _InPlace (Note [One handle type]).
     if (average is None and process_set is global_process_set and (op is None or type(op) is int and op in _PLAIN_OPS)
             and type(prescale_factor) is float and prescale_factor == 1.0 and type(postscale_factor) is float
             and postscale_factor == 1.0 and (name is None or type(name) is str) and isinstance(tensor, torch.Tensor)):
@@ -247,7 +300,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
             raise _state.explain(exc, state, engine)
         if core >= 0:
             handle = next(state.handle_ids)
-            state.handles[handle] = (core, tensor)
+            state.handles[handle] = _InPlace(engine, core, tensor)
             return handle
     _check_tensor("allreduce_async_", tensor, dtypes=_REDUCIBLE)
     return _allreduce("allreduce_async_", [tensor], True, average, name, op, prescale_factor,
@@ -334,7 +387,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         raise HvdliteTypeError(f"{fn}: expected a sparse COO tensor, got "
                                f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tensor.layout}")
     op = _resolve_op(fn, None, op, allowed=(Average, Sum))
-    name = _check_name(fn, name) or f"hvdlite.sparse.{next(_runtime(fn, process_set)[1].name_ids)}"
+    name = _check_name(fn, name) or _runtime(fn, process_set)[1].engine.new_name("hvdlite.sparse")
     t = tensor.coalesce()
     # allgather concatenates along dimension 0: indices travel transposed, one row per entry
     h_indices = allgather_async(t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
@@ -444,7 +497,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
 def barrier(process_set=global_process_set):
     """Blocks until every rank of the process set has called ``barrier()``."""
     _, runtime = _runtime("barrier", process_set)
-    name = f"hvdlite.barrier.{next(runtime.name_ids)}"
+    name = runtime.engine.new_name("hvdlite.barrier")
     synchronize(_submit("barrier", process_set, _BARRIER, [torch.empty(0)], [None], [name], _first))
 
 
@@ -469,15 +522,10 @@ def join(device=-1):
 
 def poll(handle):
     """True when the operation behind ``handle`` has finished (successfully or not)."""
-    state = _state.current()
-    pending = state.handles.get(handle)
-    if type(pending) is tuple:  # (core handle, tensor): see synchronize
-        return state.sets[0].engine.poll(pending[0])
+    pending = _state.current().handles.get(handle)
     if pending is None:
         raise HvdliteValueError(f"poll: unknown handle {handle!r} (already synchronized?)")
-    if isinstance(pending, _Combined):
-        return all(poll(h) for h in pending.handles)
-    return all(pending.engine.poll(h) for h in pending.core_handles)
+    return pending.poll()
 
 
 def _synchronize_all(handles):
@@ -502,22 +550,6 @@ def synchronize(handle):
     """
     state = _state.current()
     pending = state.handles.pop(handle, None)
-    if type(pending) is tuple:  # allreduce_async_'s common case: (core handle, the tensor)
-        engine = state.sets[0].engine
-        try:
-            engine.wait_done(pending[0])
-        except Exception as exc:
-            raise _state.explain(exc, state, engine)
-        return pending[1]
     if pending is None:
         raise HvdliteValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
-    if isinstance(pending, _Combined):
-        return pending.finish(_synchronize_all(pending.handles))
-    try:
-        if len(pending.core_handles) == 1:
-            outputs = [pending.engine.wait(pending.core_handles[0])]
-        else:  # one call, GIL released once, for a whole group
-            outputs = pending.engine.wait_all(pending.core_handles)
-    except Exception as exc:
-        raise _state.explain(exc, state, pending.engine)
-    return pending.finish(outputs)
+    return pending.wait(state)
