@@ -42,6 +42,7 @@ import threading
 from . import _state
 from ._job import keys
 from ._job.launchers import is_elastic_worker
+from ._job.place import Place, environment
 from ._job.rendezvous import LauncherStore
 from .exceptions import ElasticAbort, WorkerRemoved
 
@@ -86,9 +87,11 @@ def _timeout_ms():
 
 
 def request_place():
-    """Steps 1 and 2 of Note [Elastic rendezvous]: returns the assignment, and on "run" puts
-    the worker's new place in the environment that hvd.init() reads. Raises WorkerRemoved or
-    ElasticAbort otherwise."""
+    """Steps 1 and 2 of Note [Elastic rendezvous]: returns the worker's place in the next
+    generation, which hvd.init() takes as a value, on "run". Raises WorkerRemoved or
+    ElasticAbort otherwise. The place is also written to the environment (HVDLITE_RANK,
+    HOROVOD_RANK, ..., HVDLITE_ELASTIC_GENERATION) for scripts and tools that read it; hvdlite
+    itself does not read it back."""
     elastic = _state.process.elastic
     with elastic.lock:
         n, elastic.requests = elastic.requests, elastic.requests + 1
@@ -104,12 +107,19 @@ def request_place():
         raise WorkerRemoved(reply.get("why", ""))
     if action != "run":
         raise ElasticAbort(f"hvdliterun stopped the elastic job: {reply.get('why', action)}")
-    from ._job.place import Place, environment
     place = Place(*(reply[field] for field in ("rank", "size", "local_rank", "local_size",
                                                "cross_rank", "cross_size")))
+    elastic.generation = int(reply["generation"])
     os.environ.update(environment(place, os.environ.get("HVDLITE_HOSTNAME", "")))
-    os.environ["HVDLITE_ELASTIC_GENERATION"] = str(reply["generation"])
-    return reply
+    os.environ["HVDLITE_ELASTIC_GENERATION"] = str(elastic.generation)
+    return place
+
+
+def generation():
+    """The launcher's number of the generation this worker was last placed in (Note [Elastic
+    rendezvous]); None outside elastic mode or before the first place. Not init()'s own count
+    (State.init_number), which also counts the inits of a non-elastic process."""
+    return _state.process.elastic.generation if enabled() else None
 
 
 def record_durable_copy(path, commit):
@@ -118,19 +128,20 @@ def record_durable_copy(path, commit):
     if not enabled():
         return
     value = json.dumps({"path": path, "commit": commit,
-                        "generation": int(os.environ.get("HVDLITE_ELASTIC_GENERATION", "-1"))})
+                        "generation": -1 if generation() is None else generation()})
     with _state.process.elastic.lock:
         _connection().call(b"SET", [keys.ELASTIC_DURABLE.encode(), value.encode()])
 
 
 def hosts_updated():
     """True once the current generation's hosts-updated notice arrived."""
-    return enabled() and os.environ.get("HVDLITE_ELASTIC_GENERATION") in _state.process.elastic.notified
+    return enabled() and generation() in _state.process.elastic.notified
 
 
 def watch_hosts(generation, engines):
     """Note [Hosts updated]: a helper thread that shuts the engines `engines()` returns down
-    with HOSTS_UPDATED when the launcher announces new hosts during `generation`."""
+    with HOSTS_UPDATED when the launcher announces new hosts during elastic generation
+    `generation`."""
     def run():
         from ._rendezvous_wire import RendezvousError
         try:
@@ -140,7 +151,7 @@ def watch_hosts(generation, engines):
         except RendezvousError:
             return  # the launcher went away; the engines will notice their peers
         if value == b"hosts":
-            _state.process.elastic.notified.add(str(generation))
+            _state.process.elastic.notified.add(generation)
             for engine in engines():
                 engine.shutdown(HOSTS_UPDATED, reset=True)
 

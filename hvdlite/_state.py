@@ -3,9 +3,9 @@ lives as long as the process.
 
 ``init()`` creates a ``State`` and installs it with ``install()``; ``shutdown()`` takes it back
 with ``take()``. Every other module reads it through ``current()``, which raises
-NotInitializedError outside init/shutdown. Each init() is a new generation (Note
-[Generations] in basics.py): objects that belong to one generation, such as a registered
-ProcessSet, check it before use. ``process`` holds what outlives generations (the stores kept
+NotInitializedError outside init/shutdown. Each init() is numbered anew (Note
+[Init numbers] in basics.py): objects that belong to one init(), such as a registered
+ProcessSet, check it before use. ``process`` holds what outlives them (the stores kept
 for the next init(), the failure hook, the elastic worker's conversation with its launcher);
 no other module keeps mutable globals.
 """
@@ -37,7 +37,7 @@ class SetRuntime:
 @dataclasses.dataclass
 class State:
     topology: Topology
-    generation: int
+    init_number: int  # Note [Init numbers] in basics.py
     store: object
     prefix: str
     loopback: bool
@@ -69,15 +69,16 @@ class ElasticWorker:
     requests: int = 0         # requests for a place made so far
     reason: dict = dataclasses.field(default_factory=lambda: {"reason": "start", "lost": []})
     assignment: dict = None   # the launcher's latest answer
+    generation: int = None    # the launcher's number of the generation last assigned
     notified: set = dataclasses.field(default_factory=set)  # generations told the hosts changed
 
 
 @dataclasses.dataclass
 class Process:
-    """What lives as long as the process, across init()/shutdown() generations."""
+    """What lives as long as the process, across init()/shutdown() pairs."""
     lock: object = dataclasses.field(default_factory=threading.Lock)  # init() and shutdown()
-    state: State = None       # the current generation's, between init() and shutdown()
-    generations: object = dataclasses.field(default_factory=itertools.count)
+    state: State = None       # the current init()'s, between init() and shutdown()
+    init_numbers: object = dataclasses.field(default_factory=itertools.count)
     stores: dict = dataclasses.field(default_factory=dict)  # (addr, port) -> store, for init() after shutdown()
     open_stores: set = dataclasses.field(default_factory=set)  # Note [Keeping SecretStore alive]
     atexit_registered: bool = False

@@ -5,11 +5,13 @@ the build and the job-wide settings with every other rank (``_settings.py``), cr
 process groups the native engine uses and starts the engine (``_groups.py``). The state lives
 in ``_state.py``, created by ``init()`` and dropped by ``shutdown()``.
 
-Note [Generations]
-Every init() is a new generation of the job, with its own keys in the store (``hvdlite/<n>/``),
-its own engines and its own process sets. init() after shutdown() starts the next one in the
-same process; nothing of the previous generation (a registered ProcessSet, a handle) carries
-over.
+Note [Init numbers]
+Every init() of a process is numbered (``State.init_number``, counted by
+``_state.process.init_numbers``) and has its own keys in the store (``hvdlite/<n>/``), its own
+engines and its own process sets. init() after shutdown() starts the next one in the same
+process; nothing of the previous one (a registered ProcessSet, a handle) carries over. (An
+elastic job's generations are the launcher's numbering of the job's membership, a different
+count: ``_elastic_worker.generation()``; they name the keys there, ``hvdlite/e<g>/``.)
 """
 
 import atexit
@@ -56,13 +58,12 @@ def _store_for(rendezvous, topology):
     return store
 
 
-def _rendezvous(topology, rendezvous, generation):
+def _rendezvous(topology, rendezvous, init_number):
     """Returns (store, key prefix, loopback) shared by every engine of this init()."""
     # torchrun --max-restarts: its store outlives the processes it restarts; under elastic
     # hvdliterun the launcher numbers the generations (Note [Elastic rendezvous])
-    prefix = keys.generation_prefix(
-        generation, os.environ.get("TORCHELASTIC_RESTART_COUNT"),
-        os.environ["HVDLITE_ELASTIC_GENERATION"] if _elastic_worker.enabled() else None)
+    prefix = keys.init_prefix(init_number, os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+                              _elastic_worker.generation())
     if dist.is_initialized():
         # The user's own init_process_group: build ours beside it, from the same store.
         if dist.get_world_size() != topology.size:
@@ -113,15 +114,16 @@ def init(comm=None, process_sets=None):
     with _state.process.lock:
         if _state.peek() is not None:
             return
-        if _elastic_worker.enabled():
-            _elastic_worker.request_place()  # Note [Elastic rendezvous]; may exit the process
-        topology, rendezvous = launchers.detect()
+        # Note [Elastic rendezvous]: an elastic worker asks its launcher for its place (this
+        # may end the process); init() takes the answer as a value.
+        place = _elastic_worker.request_place() if _elastic_worker.enabled() else None
+        topology, rendezvous = launchers.detect(place=place)
         if dist.is_initialized() and topology.source == "single":
             # Local and cross ranks are derived from the hosts every rank publishes, below.
             topology = dataclasses.replace(topology, rank=dist.get_rank(), size=dist.get_world_size(),
                                            source="torch.distributed")
-        generation = next(_state.process.generations)
-        store, prefix, loopback = _rendezvous(topology, rendezvous, generation)
+        init_number = next(_state.process.init_numbers)
+        store, prefix, loopback = _rendezvous(topology, rendezvous, init_number)
         # Every rank's record (host, pid, build, settings); reading them all is a rendezvous,
         # and every rank checks the same records, so a refusal happens on every rank at once.
         _liveness.publish(store, prefix, topology.rank,
@@ -135,13 +137,13 @@ def init(comm=None, process_sets=None):
         topology = _topology_from_peers(topology, peers)
         hosts = [p["host"] for p in peers]
         homogeneous = len({hosts.count(h) for h in hosts}) == 1
-        state = _state.State(topology=topology, generation=generation, store=store, prefix=prefix,
+        state = _state.State(topology=topology, init_number=init_number, store=store, prefix=prefix,
                              loopback=loopback, settings=settings, sets=sets, peers=peers,
                              homogeneous=homogeneous)
         _state.install(state)
         if _elastic_worker.enabled():  # Note [Hosts updated]
-            _elastic_worker.watch_hosts(os.environ["HVDLITE_ELASTIC_GENERATION"],
-                                        functools.partial(_engines_of, generation))
+            _elastic_worker.watch_hosts(_elastic_worker.generation(),
+                                        functools.partial(_engines_of, init_number))
         if not _state.process.atexit_registered:
             # Exiting with work in flight and no shutdown aborted the process in 8 of 20 runs
             # ("terminate called without an active exception"); shutting down at exit fixed it.
@@ -159,11 +161,11 @@ def init(comm=None, process_sets=None):
             add_process_set(process_set)
 
 
-def _engines_of(generation):
-    """The engines of `generation` if it is still the current one. (Holding the state itself
-    would keep its process groups, hence their connections, open after shutdown.)"""
+def _engines_of(init_number):
+    """The engines of init() number `init_number` if it is still the current one. (Holding the
+    state itself would keep its process groups, hence their connections, open after shutdown.)"""
     state = _state.peek()
-    if state is None or state.generation != generation:
+    if state is None or state.init_number != init_number:
         return []
     return [s.engine for s in state.sets.values() if s.engine is not None]
 

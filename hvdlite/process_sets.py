@@ -34,7 +34,7 @@ class ProcessSet:
                 raise HvdliteValueError(f"ProcessSet: ranks {ranks} contain duplicates")
             self._ranks = sorted(ranks)
         self.process_set_id = 0 if ranks is None else None
-        self._generation = None  # the init() generation it was added in (Note [Generations])
+        self._init_number = None  # the init() it was added in (Note [Init numbers] in basics.py)
 
     @property
     def ranks(self):
@@ -48,7 +48,7 @@ class ProcessSet:
         state = _state.current()
         if self._global:
             return state.sets[0]
-        if self.process_set_id is None or self._generation != state.generation:
+        if self.process_set_id is None or self._init_number != state.init_number:
             return None
         return state.sets.get(self.process_set_id)
 
@@ -58,7 +58,7 @@ class ProcessSet:
             return state.sets[0]
         if self.process_set_id is None or self.process_set_id not in state.sets:
             raise HvdliteValueError(f"{self!r} has not been added: call hvdlite.add_process_set() on every rank")
-        if self._generation != state.generation:
+        if self._init_number != state.init_number:
             # Set ids restart with every init(); this object's id would name another set.
             raise HvdliteValueError(f"{self!r} was added before hvdlite.shutdown(); process sets do not "
                                     "survive a restart: add it again after init()")
@@ -99,7 +99,7 @@ def add_process_set(process_set):
     state = _state.current()
     if process_set._global:
         raise HvdliteValueError("add_process_set: the global process set always exists")
-    if (process_set.process_set_id is not None and process_set._generation == state.generation
+    if (process_set.process_set_id is not None and process_set._init_number == state.init_number
             and process_set.process_set_id in state.sets):
         raise HvdliteValueError(f"add_process_set: {process_set!r} was already added")
     if any(runtime.ranks == process_set.ranks for sid, runtime in state.sets.items() if sid != 0):
@@ -119,7 +119,7 @@ def add_process_set(process_set):
                                               [state.peers[r] for r in process_set.ranks])
     state.sets[set_id] = _state.SetRuntime(list(process_set.ranks), engine, groups, rank)
     process_set.process_set_id = set_id
-    process_set._generation = state.generation
+    process_set._init_number = state.init_number
     return process_set
 
 
@@ -132,7 +132,7 @@ def remove_process_set(process_set):
     state = _state.current()
     if process_set._global:
         return False  # as in horovod.torch: the global set is never removed
-    if process_set._generation != state.generation:
+    if process_set._init_number != state.init_number:
         return False
     runtime = state.sets.pop(process_set.process_set_id, None)
     if runtime is None:

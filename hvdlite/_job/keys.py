@@ -1,20 +1,20 @@
 """The rendezvous store's key schema: every key a launcher and a rank share, written once.
 
 Keys are str; the store holds bytes. Per-generation keys live under a generation prefix that
-init() chooses (``generation_prefix``); the launcher-wide ones (failure reports, elastic
+init() chooses (``init_prefix``); the launcher-wide ones (failure reports, elastic
 requests and answers) do not, since they outlive a generation.
 """
 
 
-def generation_prefix(generation, torchelastic_restart=None, elastic_generation=None):
-    """The prefix of one init()'s keys (Note [Generations] in basics.py): hvdliterun's elastic
-    generation when there is one, else this process's init() count, kept apart across
+def init_prefix(init_number, torchelastic_restart=None, elastic_generation=None):
+    """The prefix of one init()'s keys (Note [Init numbers] in basics.py): hvdliterun's elastic
+    generation when there is one, else this process's init() number, kept apart across
     torchrun restarts (its store outlives the processes it restarts)."""
     if elastic_generation is not None:
         return f"hvdlite/e{elastic_generation}/"
     if torchelastic_restart:
-        return f"hvdlite/restart{torchelastic_restart}.{generation}/"
-    return f"hvdlite/{generation}/"
+        return f"hvdlite/restart{torchelastic_restart}.{init_number}/"
+    return f"hvdlite/{init_number}/"
 
 
 PROC = "proc/"  # + rank, under a generation prefix: the rank's record (host, pid, build, ...)

@@ -156,17 +156,18 @@ def slurm_port(env):
     return 20000 + (job * 10 + step % 10) % 20000
 
 
-def detect(env=None):
-    """Returns (Topology, Rendezvous) for this process."""
+def detect(env=None, place=None):
+    """Returns (Topology, Rendezvous) for this process. `place`: an elastic worker's place in
+    its new generation, handed over by value (the launcher's store then is the rendezvous)."""
     env = os.environ if env is None else env
-    if "HVDLITE_RANK" in env:
-        rank, size = _int(env, "HVDLITE_RANK"), _int(env, "HVDLITE_SIZE", 1)
-        local_rank = _opt_int(env, "HVDLITE_LOCAL_RANK", rank)
-        local_size = _opt_int(env, "HVDLITE_LOCAL_SIZE", size)
-        cross_rank = _opt_int(env, "HVDLITE_CROSS_RANK", 0)
-        cross_size = _opt_int(env, "HVDLITE_CROSS_SIZE", 1)
-        topology = Topology(rank, size, local_rank, local_size, cross_rank, cross_size, "hvdliterun",
-                            env.get("HVDLITE_HOSTNAME", ""))
+    if place is not None or "HVDLITE_RANK" in env:
+        if place is None:
+            rank, size = _int(env, "HVDLITE_RANK"), _int(env, "HVDLITE_SIZE", 1)
+            place = Place(rank, size, _opt_int(env, "HVDLITE_LOCAL_RANK", rank),
+                          _opt_int(env, "HVDLITE_LOCAL_SIZE", size), _opt_int(env, "HVDLITE_CROSS_RANK", 0),
+                          _opt_int(env, "HVDLITE_CROSS_SIZE", 1))
+        topology = Topology(place.rank, place.size, place.local_rank, place.local_size, place.cross_rank,
+                            place.cross_size, "hvdliterun", env.get("HVDLITE_HOSTNAME", ""))
         if "HVDLITE_RENDEZVOUS_ADDR" not in env:
             raise LaunchEnvironmentError("hvdlite.init(): HVDLITE_RANK is set but HVDLITE_RENDEZVOUS_ADDR is not")
         rendezvous = Rendezvous(env["HVDLITE_RENDEZVOUS_ADDR"], _int(env, "HVDLITE_RENDEZVOUS_PORT", 1),
