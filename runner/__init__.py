@@ -15,8 +15,11 @@ Map of the package (one concept per file):
   workers.py       starting local and ssh ranks, signals, stopping them all
   output.py        rank-prefixed output and per-rank files
   errors.py        job results and the root-cause message
+  session.py       what both launchers set up alike: the store, the base environment,
+                   starting processes, the teardown
   job.py           one static job from start to end
-  elastic.py       elastic mode: the driver, and host discovery (the user's script)
+  elastic.py       elastic mode: the driver (a worker-state machine), and host discovery
+                   (the user's script)
   elastic_plan.py  elastic mode's pure decisions: discovery output, blacklist, ranks per generation
   run_func.py      run(fn, np=...) for Python functions
   _func_task.py    the rank side of run(): load the function, run it, write its result

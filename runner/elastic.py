@@ -22,6 +22,12 @@ stable ids, not ranks; each generation's ranks are handed out through the rendez
     (still starting) join the generation after; a rank that has not asked --elastic-timeout
     seconds after its generation ended (it hangs instead of failing) is killed and counts as
     failed.
+Each worker is in one WorkerState: STARTING until its first request for a place, ASKING
+while it waits for the answer, RUNNING with a rank of the current generation (back to ASKING
+when it leaves the generation), LEAVING once told to exit or while being stopped, EXITED when
+its process has ended. The store is reached through RendezvousServer.set/get only, and the
+store, the environment and the processes are set up as for a static job (Note [One launch
+session] in session.py).
 The job stops with a message when --reset-limit resets have happened, when fewer than
 --min-np workers could be gathered for --elastic-timeout seconds, when every host the
 discovery script reports is blacklisted for good, when no worker of the last generation is
@@ -37,6 +43,7 @@ lost, unless a rank 0 has reported a durable copy of its last commit (keys.ELAST
 written by TorchState.keep_durable_copy): then the new generation restores that copy, and the
 launcher says so.
 """
+import enum
 import json
 import os
 import subprocess
@@ -54,10 +61,10 @@ from .discovery import NetworkPlan
 from .elastic_plan import Blacklist, DiscoveryOutputError, parse_discovery_output, plan_generation
 from .errors import JobResult, RankExit, describe_exit
 from .hosts import Host, SlotInfo
-from .network import LocalHostDetector, address_towards, advertised_address, interface_address
+from .network import LocalHostDetector, address_towards, advertised_address
 from .output import OutputMux
-from .rendezvous import RendezvousServer, new_secret
-from .workers import WorkerGroup, stop_with_parent
+from .session import LaunchSession
+from .workers import stop_with_parent
 
 DISCOVERY_INTERVAL = 1.0
 DISCOVERY_TIMEOUT = 30.0
@@ -115,40 +122,76 @@ class _Discovery:
         self._stop.set()
 
 
+class WorkerState(enum.Enum):
+    """Where a worker is in its conversation with the launcher (Note [Elastic driver])."""
+    STARTING = "starting"  # started; has not asked for a place yet
+    ASKING = "asking"      # asked for a place (`request`) and waits for the answer
+    RUNNING = "running"    # a rank of the current generation
+    LEAVING = "leaving"    # told to exit, or being stopped: its exit is no failure
+    EXITED = "exited"      # its process ended (or never started)
+
+
 @dataclass
 class _Worker:
     wid: int
     host: str
     slot: int                       # index among its host's slots
-    rank: Optional[int] = None      # in the current generation
-    asked: Optional[dict] = None    # its pending request for a place
+    started: float
+    state: WorkerState = WorkerState.STARTING
+    # Its rank in the generation it last ran in, kept while it asks for its next place (the
+    # survivors of a generation are placed first, in their old order); None for a newcomer.
+    rank: Optional[int] = None
+    request: Optional[dict] = None  # with ASKING: what it said when it asked
     seq: int = 0                    # the number of its next request
-    leaving: bool = False           # told to exit (or being stopped): its exit is no failure
-    started: float = 0.0
+
+    def answered(self, reply: dict) -> None:
+        """The launcher answered its request: it runs with a place, or leaves."""
+        self.seq += 1
+        self.request = None
+        if reply.get("action") == "run":
+            self.state, self.rank = WorkerState.RUNNING, reply["rank"]
+        else:
+            self.state, self.rank = WorkerState.LEAVING, None
 
 
 class _Driver:
-    """Note [Elastic driver]."""
+    """Note [Elastic driver]. Built once the discovery script's first answer is known; run()
+    then loops until the job ends."""
 
     def __init__(self, config: JobConfig, mux: OutputMux, environ: Dict[str, str],
-                 result: JobResult) -> None:
+                 result: JobResult, first: List[Host]) -> None:
         self.config, self.elastic, self.mux, self.result = config, config.elastic, mux, result
-        self.environ = environ
-        self.cwd = config.cwd or os.getcwd()
-        self.group = WorkerGroup(mux, config.grace_period)
+        self.detector = LocalHostDetector()
+        remote = [h.name for h in first if not self.detector.is_local(h.name)]
+        self.first_remote = remote[0] if remote else None
+        self.session = LaunchSession(config, mux, self.first_remote)  # Note [One launch session]
+        self.server, self.group = self.session.server, self.session.group
+        network_env = (NetworkPlan(config.network_interfaces, self.session.bind, 0.0, []).rank_env()
+                       if config.network_interfaces else {})
+        self.base_env = self.session.base_environment(environ, network_env)
+        self.base_env.update(config.knobs.core_env())
         self.workers: Dict[int, _Worker] = {}
         self.blacklist = Blacklist(self.elastic.cooldown_range)
         self.generation = -1
+        self.generation_hosts: List[str] = []  # the hosts of the current generation
         self.resets = 0
         self.failed_since_formed = False
         self.finishing = False
         self.ended_generation = False      # the current generation's notice was sent
+        self.reset_began = time.monotonic()
         self.short_since: Optional[float] = None
-        self.pending_hosts_notice = False
-        self.detector = LocalHostDetector()
+        self.newcomers: Set[int] = set()   # started for new slots, not yet in a generation
+        self.failures: List[RankExit] = []
+        self.done = False
         self.events: List[str] = []        # what happened, for the verbose log and tests
-        self.server: Optional[RendezvousServer] = None
-        self.generation_hosts: List[str] = []  # the hosts of the current generation
+        self.discovery = _Discovery(self.elastic.discovery_script, self.elastic.slots_per_host,
+                                    self.session.cwd, first, self.log)
+        self.log(f"discovered {', '.join(f'{h.name}:{h.slots}' for h in first) or 'no hosts'}; "
+                 f"store on {self.session.bind}:{self.server.port}")
+
+    def _in(self, *states: WorkerState) -> List[_Worker]:
+        """The running workers in one of `states`."""
+        return [w for w in self._live() if w.state in states]
 
     # -- logging
     def log(self, message: str) -> None:
@@ -160,22 +203,15 @@ class _Driver:
         self.events.append(message)
         self.mux.write_line(f"hvdliterun: elastic: {message}\n")
 
-    # -- the store
-    def _store_set(self, key: str, value) -> None:
-        self.server.set(key, value if isinstance(value, bytes) else json.dumps(value).encode())
-
-    def _store_get(self, key: str) -> Optional[bytes]:
-        return self.server.get(key)
-
     # -- starting workers
     def _rendezvous_addr(self, host: str, local: bool) -> str:
-        """What a worker on `host` connects to. A job whose first host list names only this
-        machine stays on loopback (its ranks' Gloo devices are bound there too)."""
-        if self.config.network_interface:
-            return interface_address(self.config.network_interface)
-        if self.first_remote is None:
-            return "127.0.0.1"
-        return address_towards(self.first_remote if local else host) or advertised_address()
+        """What a worker on `host` connects to: the session's address (rendezvous_binding in
+        session.py) for this machine, for a job whose first host list names only this machine
+        (it stays on loopback) and with --network-interface; else the address that routes
+        towards `host`, which may have joined after the store was opened."""
+        if local or self.first_remote is None or self.config.network_interface:
+            return self.session.addr
+        return address_towards(host) or advertised_address()
 
     def _start_worker(self, host: str, slot: int) -> None:
         wid = max(self.workers, default=-1) + 1
@@ -197,14 +233,9 @@ class _Driver:
         self.workers[wid] = worker
         self.log(f"starting worker {wid} on {host} (slot {slot})")
         try:
-            if local:
-                self.group.start_local(info, self.config.command, env, self.cwd)
-            else:
-                from .environment import exportable
-                self.group.start_remote(info, self.config.command, exportable(env), self.cwd,
-                                        self.config.ssh)
+            self.session.start(info, env, local)
         except OSError as exc:
-            worker.leaving = True
+            worker.state = WorkerState.EXITED
             self.blacklist.add(host, time.monotonic())
             self.announce(f"could not start a worker on {host}: {exc.strerror or exc}; blacklisted it")
 
@@ -221,7 +252,7 @@ class _Driver:
         if self.finishing:
             return []
         wanted = self._wanted_slots(now)
-        live = [w for w in self._live() if not w.leaving]
+        live = [w for w in self._live() if w.state is not WorkerState.LEAVING]
         started = []
         for host, slots in wanted.items():
             used = {w.slot for w in live if w.host == host}
@@ -235,26 +266,21 @@ class _Driver:
 
     # -- requests for a place (Note [Elastic rendezvous])
     def _poll_requests(self) -> None:
-        for w in self._live():
-            if w.asked is not None:
-                continue
-            raw = self._store_get(keys.elastic_ready(w.wid, w.seq))
+        for w in self._in(WorkerState.STARTING, WorkerState.RUNNING):
+            raw = self.server.get(keys.elastic_ready(w.wid, w.seq))
             if raw is None:
                 continue
-            w.asked = json.loads(raw)
-            if w.asked.get("reason") == "failure" and w.rank is not None:
+            was_running = w.state is WorkerState.RUNNING
+            w.state, w.request = WorkerState.ASKING, json.loads(raw)
+            if was_running and w.request.get("reason") == "failure":
                 self.failed_since_formed = True
-            if w.rank is not None and not self.finishing:
+            if was_running and not self.finishing:
                 self._end_generation(f"worker {w.wid} (rank {w.rank}) left generation "
-                                     f"{self.generation} ({w.asked.get('reason')})")
+                                     f"{self.generation} ({w.request.get('reason')})")
 
     def _answer(self, w: _Worker, reply: dict) -> None:
-        self._store_set(keys.elastic_assign(w.wid, w.seq), reply)
-        w.seq += 1
-        w.asked = None
-        if reply.get("action") != "run":
-            w.leaving = True
-            w.rank = None
+        self.server.set(keys.elastic_assign(w.wid, w.seq), json.dumps(reply).encode())
+        w.answered(reply)
 
     def _end_generation(self, why: str) -> None:
         """Asks every rank of the current generation to stop (Note [Hosts updated])."""
@@ -263,29 +289,27 @@ class _Driver:
         self.ended_generation = True
         self.reset_began = time.monotonic()
         self.log(f"ending generation {self.generation}: {why}")
-        self._store_set(keys.elastic_notice(self.generation), b"hosts")
+        self.server.set(keys.elastic_notice(self.generation), b"hosts")
 
     def _abort(self, why: str) -> None:
-        for w in self._live():
-            if w.asked is not None:
-                self._answer(w, {"action": "abort", "why": why})
+        for w in self._in(WorkerState.ASKING):
+            self._answer(w, {"action": "abort", "why": why})
         self.result.launch_error = why
         self.done = True
 
     def _try_form(self, now: float) -> None:
         """Forms the next generation once every live worker has asked for a place."""
-        eligible = [w for w in self._live() if not w.leaving]
         if self.finishing:
-            for w in eligible:
-                if w.asked is not None:
-                    self._answer(w, {"action": "exit", "why": "the job is finishing: other workers "
-                                                          "completed their training"})
+            for w in self._in(WorkerState.ASKING):
+                self._answer(w, {"action": "exit", "why": "the job is finishing: other workers "
+                                                      "completed their training"})
             return
+        eligible = self._in(WorkerState.STARTING, WorkerState.ASKING, WorkerState.RUNNING)
         if self.generation < 0:
-            if any(w.asked is None for w in eligible):  # the first generation waits for all
+            if any(w.state is not WorkerState.ASKING for w in eligible):  # the first waits for all
                 return
         else:
-            late = [w for w in eligible if w.rank is not None and w.asked is None]
+            late = [w for w in eligible if w.state is WorkerState.RUNNING]
             if late:
                 if self.ended_generation and now - self.reset_began > self.elastic.timeout:
                     for w in late:  # a rank that hangs instead of leaving: it counts as failed
@@ -295,7 +319,7 @@ class _Driver:
                         self.group.kill(w.wid)
                 return
             # New workers still starting join the generation after this one.
-            eligible = [w for w in eligible if w.asked is not None]
+            eligible = [w for w in eligible if w.state is WorkerState.ASKING]
         wanted = self._wanted_slots(now)
         stay = [w for w in eligible if w.slot < wanted.get(w.host, 0)]
         if len(stay) < self.elastic.min_np:
@@ -340,12 +364,11 @@ class _Driver:
         for w in survivors + newcomers:
             if w.wid in places:
                 place = places[w.wid]
-                w.rank = place.rank
                 self._answer(w, {"action": "run", "generation": self.generation, "restore": restore,
                                  "durable": durable, **place.__dict__})
         self.newcomers.difference_update(places)
         if old >= 0 and not self.ended_generation:
-            self._store_set(keys.elastic_notice(old), b"end")
+            self.server.set(keys.elastic_notice(old), b"end")
         self.ended_generation = False
         self.failed_since_formed = False
         took = "" if old < 0 else f" {time.monotonic() - self.reset_began:.2f} s after the reset began"
@@ -360,7 +383,7 @@ class _Driver:
 
     def _durable_copy(self) -> Optional[dict]:
         """The last durable copy a rank 0 reported (Note [No survivor]), or None."""
-        raw = self._store_get(keys.ELASTIC_DURABLE)
+        raw = self.server.get(keys.ELASTIC_DURABLE)
         return None if raw is None else json.loads(raw)
 
     def _hopeless(self, now: float) -> Optional[str]:
@@ -377,7 +400,8 @@ class _Driver:
     # -- exits
     def _handle_exit(self, wid: int, code: int, now: float) -> None:
         w = self.workers[wid]
-        if w.leaving:
+        left, w.state = w.state is WorkerState.LEAVING, WorkerState.EXITED
+        if left:
             self.log(f"worker {wid} on {w.host} left ({describe_exit(code)})")
             return
         if code == 0:
@@ -405,14 +429,14 @@ class _Driver:
         if self.finishing:
             return
         wanted = self._wanted_slots(now)
-        gone = [w for w in self._live() if not w.leaving and w.rank is not None
-                and w.slot >= wanted.get(w.host, 0)]
+        gone = [w for w in self._in(WorkerState.ASKING, WorkerState.RUNNING)
+                if w.rank is not None and w.slot >= wanted.get(w.host, 0)]
         if gone:
             self._end_generation(f"host {gone[0].host} left the job")
         self.newcomers.update(self._fill_slots(now))
         running = set(self.group.running())
         waiting = [wid for wid in self.newcomers
-                   if wid in running and self.workers[wid].asked is None]
+                   if wid in running and self.workers[wid].state is WorkerState.STARTING]
         if self.newcomers and not waiting:
             joining = [wid for wid in self.newcomers if wid in running]
             if self.generation >= 0 and joining:
@@ -422,10 +446,6 @@ class _Driver:
 
     # -- the loop
     def run(self, signals) -> None:
-        self.failures: List[RankExit] = []
-        self.newcomers: Set[int] = set()
-        self.done = False
-        self.reset_began = time.monotonic()
         self._fill_slots(time.monotonic())
         while not self.done:
             if signals.received:
@@ -469,34 +489,15 @@ def run_elastic(config: JobConfig, mux: OutputMux, environ: Dict[str, str], sign
         result.launch_error = (f"the host discovery script {elastic.discovery_script!r} failed on "
                                f"its first run: {exc}")
         return result
-    driver = _Driver(config, mux, environ, result)
-    remote = [h.name for h in first if not driver.detector.is_local(h.name)]
-    driver.first_remote = remote[0] if remote else None
-    bind = "127.0.0.1" if driver.first_remote is None else "0.0.0.0"
-    if config.network_interface:
-        bind = interface_address(config.network_interface)
-    driver.server = RendezvousServer(new_secret(), host=bind).start()
-    base_env = dict(environ)
-    if config.network_interfaces:
-        base_env.update(NetworkPlan(config.network_interfaces, bind, 0.0, []).rank_env())
-    base_env.update(config.extra_env)
-    base_env.update(config.knobs.core_env())
-    driver.base_env = base_env
-    driver.discovery = _Discovery(elastic.discovery_script, elastic.slots_per_host, cwd, first,
-                                  driver.log)
-    driver.log(f"discovered {', '.join(f'{h.name}:{h.slots}' for h in first) or 'no hosts'}; "
-               f"store on {bind}:{driver.server.port}")
+    driver = _Driver(config, mux, environ, result, first)
     try:
         driver.run(signals)
     finally:
         driver.discovery.stop()
-        if driver.group.running():
-            result.stopped = driver.group.running()
-            for w in driver._live():
-                w.leaving = True
-            driver.group.stop(result.stopped_by_signal or 15, lambda: len(signals.received) > 1)
-        mux.drain(timeout=5.0)
-        driver.server.stop()
+        for w in driver._live():
+            w.state = WorkerState.LEAVING
+        result.stopped = list(driver.session.close(result.stopped_by_signal,
+                                                   lambda: len(signals.received) > 1))
     result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode, w.remote)
                     for w in driver.group.workers() if w.returncode is not None]
     result.elastic_events = driver.events

@@ -20,13 +20,13 @@ from typing import IO, Dict, List, Mapping, Optional
 
 from .config import JobConfig
 from .discovery import NetworkDiscoveryError, NetworkPlan, discover, driver_addresses
-from .environment import Rendezvous, exportable, rank_environment
+from .environment import Rendezvous, rank_environment
 from .errors import JobResult, RankExit
 from .hosts import Host, assign_slots
-from .network import (LocalHostDetector, address_towards, advertised_address,
-                      free_port, interface_address)
+from .network import LocalHostDetector, free_port
 from .output import OutputMux
-from .rendezvous import RendezvousServer, new_secret
+from .rendezvous import RendezvousServer
+from .session import LaunchSession
 from .workers import WorkerGroup
 
 
@@ -49,16 +49,6 @@ class _SignalWatch:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _rendezvous_binding(config: JobConfig, any_remote: bool, first_remote: Optional[str]):
-    """(address to bind, address ranks connect to) for the rendezvous server."""
-    if config.network_interface:
-        addr = interface_address(config.network_interface)
-        return addr, addr
-    if not any_remote:
-        return "127.0.0.1", "127.0.0.1"
-    return "0.0.0.0", address_towards(first_remote) or advertised_address()
 
 
 def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
@@ -86,10 +76,8 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
         if config.verbose:
             mux.write_line(f"hvdliterun: {message}\n")
 
-    bind, addr = _rendezvous_binding(config, bool(remote_hosts),
-                                     remote_hosts[0] if remote_hosts else None)
-    server = RendezvousServer(new_secret(), host=bind, addr=addr).start()
-    cwd = config.cwd or os.getcwd()
+    session = LaunchSession(config, mux, remote_hosts[0] if remote_hosts else None)
+    server, addr, cwd = session.server, session.addr, session.cwd
     network_env: Dict[str, str] = {}
     distinct_hosts = list(dict.fromkeys(s.hostname for s in slots))
     result = JobResult(start_timeout=config.start_timeout)
@@ -112,31 +100,23 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
     master_addr = addr if is_local[rank0_host] else rank0_host
     rdzv = Rendezvous(addr=addr, port=server.port, secret=server.secret,
                       master_addr=master_addr,
-                      master_port=free_port(bind, avoid={server.port}))
-    log(f"rendezvous store on {bind}:{server.port} (ranks connect to {addr}); "
+                      master_port=free_port(session.bind, avoid={server.port}))
+    log(f"rendezvous store on {session.bind}:{server.port} (ranks connect to {addr}); "
         f"MASTER_ADDR={rdzv.master_addr} MASTER_PORT={rdzv.master_port}")
 
-    base_env = dict(os.environ if environ is None else environ)
-    base_env.update(network_env)
-    base_env.update(config.extra_env)
+    base_env = session.base_environment(os.environ if environ is None else environ, network_env)
     core_env = config.knobs.core_env()
-    group = WorkerGroup(mux, config.grace_period)
+    group = session.group
 
     with _SignalWatch() as signals:
         try:
-            _start_ranks(config, group, slots, is_local, base_env, core_env, rdzv, cwd, log)
+            _start_ranks(config, session, slots, is_local, base_env, core_env, rdzv, log)
             _watch(config, group, server, signals, result)
         except _RankStartFailed as exc:
             result.launch_error = str(exc)
         finally:
-            if group.running():
-                result.stopped = group.running()
-                interrupted = lambda: len(signals.received) > 1  # noqa: E731
-                stop_sig = result.stopped_by_signal or signal.SIGTERM
-                log(f"stopping ranks {group.running()} with {signal.Signals(stop_sig).name}")
-                group.stop(stop_sig, interrupted)
-            mux.drain(timeout=5.0)
-            server.stop()
+            result.stopped = list(session.close(result.stopped_by_signal,
+                                                lambda: len(signals.received) > 1, log))
     result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode, w.remote,
                              server.rank_host(w.slot.rank) or "")
                     for w in group.workers() if w.returncode is not None]
@@ -160,16 +140,13 @@ def _let_ranks_report(group: WorkerGroup) -> None:
         group.next_exit(timeout=0.05)
 
 
-def _start_ranks(config, group, slots, is_local, base_env, core_env, rdzv, cwd, log) -> None:
+def _start_ranks(config, session, slots, is_local, base_env, core_env, rdzv, log) -> None:
     for slot in slots:
         env = rank_environment(base_env, slot, rdzv, core_env)
         where = "local" if is_local[slot.hostname] else f"ssh {slot.hostname}"
         log(f"rank {slot.rank} ({where}): {' '.join(config.command)}")
         try:
-            if is_local[slot.hostname]:
-                group.start_local(slot, config.command, env, cwd)
-            else:
-                group.start_remote(slot, config.command, exportable(env), cwd, config.ssh)
+            session.start(slot, env, is_local[slot.hostname])
         except OSError as exc:
             program = config.command[0] if is_local[slot.hostname] else "ssh"
             raise _RankStartFailed(f"could not start rank {slot.rank} on {slot.hostname}: "
