@@ -54,7 +54,7 @@ setup(
     name="hvdlite",
     version="0.1.0",
     description="Horovod-style data-parallel training for PyTorch over torch.distributed",
-    packages=["hvdlite", "hvdlite._job", "hvdlite.elastic", "hvdlite.ray", "hvdlite.runner"],
+    packages=["hvdlite", "hvdlite._job", "hvdlite._runtime", "hvdlite.elastic", "hvdlite.ray", "hvdlite.runner"],
     package_dir={"hvdlite": "hvdlite", "hvdlite.runner": "runner"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -110,7 +110,7 @@ int64_t EnqueueOne(Engine& engine, int kind, const at::Tensor& input,
 }
 
 // The dtypes the transports carry and reduce (Gloo for CPU tensors, NCCL for CUDA ones): the
-// one list, which Python's argument checks read as _core.CARRIED_DTYPES (hvdlite/_checks.py).
+// one list, which Python's argument checks read as _core.CARRIED_DTYPES (hvdlite/_runtime/checks.py).
 constexpr std::pair<at::ScalarType, const char*> kCarriedDtypes[] = {
     {at::kHalf, "float16"}, {at::kBFloat16, "bfloat16"}, {at::kFloat, "float32"}, {at::kDouble, "float64"},
     {at::kByte, "uint8"},   {at::kChar, "int8"},         {at::kInt, "int32"},     {at::kLong, "int64"}};
@@ -259,7 +259,7 @@ PYBIND11_MODULE(_core, m) {
                              [](const Engine& e) { return e.config().fusion_threshold_bytes; })
       .def_property_readonly("cycle_time_ms", [](const Engine& e) { return e.config().cycle_time_ms; });
 
-  // Note [Shared-memory allreduce]: hvdlite/_groups.py creates, opens and unlinks the segment.
+  // Note [Shared-memory allreduce]: hvdlite/_runtime/groups.py creates, opens and unlinks the segment.
   py::class_<ShmChannel, std::shared_ptr<ShmChannel>>(m, "ShmChannel")
       .def(py::init<const std::string&, int, int, std::vector<int64_t>, std::vector<int64_t>, double, int64_t>(),
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("ranks"), py::arg("pids"),

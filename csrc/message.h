@@ -69,7 +69,7 @@ struct RankMessage {
   int64_t clock_ms = 0;  // the sender's monotonic clock; rank 0's is the job's clock for stalls
   TunedParams tuned;     // with kFlagTuned (Note [Autotune] in autotune.h)
   // With kFlagShutdown: why this rank shuts down, e.g. "exiting after RuntimeError: ..." (may
-  // be empty); the others' errors quote it (Note [Failure reports] in hvdlite/_failure.py).
+  // be empty); the others' errors quote it (Note [Failure reports] in hvdlite/_runtime/failure.py).
   std::string shutdown_reason;
   std::vector<Request> requests;
 };

@@ -58,7 +58,7 @@
 // abort word, so ranks still waiting on it fail at once, as a closed Gloo connection makes them.
 //
 // Every rank takes this path for the same collectives: Python opens the channel on every rank
-// or on none (hvdlite/_groups.py), and the executor uses it for every CPU allreduce.
+// or on none (hvdlite/_runtime/groups.py), and the executor uses it for every CPU allreduce.
 // Background thread only, like the other backends.
 #pragma once
 

@@ -26,7 +26,7 @@ enum class StatusCode : uint8_t {
   kShutdown = 5,         // the engine was shut down with the operation pending
   kInternal = 6,         // this rank could not go on (out of memory) or a broken invariant
   kReset = 7,            // a shutdown that is a reset: the job's members change (elastic), every
-                         // rank starts again (Note [Hosts updated] in hvdlite/_elastic_worker.py)
+                         // rank starts again (Note [Hosts updated] in hvdlite/_runtime/elastic_worker.py)
 };
 
 class Status {

@@ -48,10 +48,10 @@ _EXPORTS = {
     "SyncBatchNorm": "sync_batch_norm",
 }
 
-# The extension links against torch's libraries, so it must load after torch: _native imports
-# torch, then _core, and turns a failure into the ImportError that says how to build it.
+# The extension links against torch's libraries, so it must load after torch: _runtime/native
+# imports torch, then _core, and turns a failure into the ImportError that says how to build it.
 # (`from hvdlite import _core` goes through here; a bare `import hvdlite._core` does not.)
-_PRIVATE = {"_core": "_native"}
+_PRIVATE = {"_core": "_runtime.native"}
 
 __all__ = list(_EXPORTS)
 

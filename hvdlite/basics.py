@@ -1,9 +1,9 @@
 """Starting and stopping hvdlite, and what a rank knows about the job.
 
 ``init()`` reads the launcher's environment (see ``_job/launchers.py``), rendezvouses, agrees on
-the build and the job-wide settings with every other rank (``_settings.py``), creates the
-process groups the native engine uses and starts the engine (``_groups.py``). The state lives
-in ``_state.py``, created by ``init()`` and dropped by ``shutdown()``.
+the build and the job-wide settings with every other rank (``_runtime/settings.py``), creates the
+process groups the native engine uses and starts the engine (``_runtime/groups.py``). The state lives
+in ``_runtime/state.py``, created by ``init()`` and dropped by ``shutdown()``.
 
 Note [Init numbers]
 Every init() of a process is numbered (``State.init_number``, counted by
@@ -25,7 +25,12 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import _elastic_worker, _failure, _groups, _liveness, _settings, _state
+from ._runtime import elastic_worker as _elastic_worker
+from ._runtime import failure as _failure
+from ._runtime import groups as _groups
+from ._runtime import liveness as _liveness
+from ._runtime import settings as _settings
+from ._runtime import state as _state
 from ._job import keys, launchers, place as _place
 from .exceptions import HvdliteValueError
 
@@ -47,7 +52,7 @@ def _store_for(rendezvous, topology):
     if key in stores:
         return stores[key]
     if rendezvous.secret:
-        from ._store import connect
+        from ._runtime.store import connect
         store = connect(rendezvous.addr, rendezvous.port, rendezvous.secret, topology.rank,
                         _RENDEZVOUS_TIMEOUT)
     else:
@@ -280,7 +285,7 @@ def gpu_available(ext_base_name="torch", verbose=False):
 def check_extension(ext_name=None, ext_env_var=None, pkg_path=None, *args):
     """horovod's check that its extension is built; hvdlite's is imported with the package
     (a missing build raises an ImportError that says how to build it)."""
-    from ._native import _core  # noqa: F401
+    from ._runtime.native import _core  # noqa: F401
 
 
 def split_list(values, n):

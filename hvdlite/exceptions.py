@@ -74,7 +74,7 @@ class RankFailureError(HvdliteError):
     """A peer died or the transport failed: the job cannot continue without a restart.
 
     ``diagnosis``: what this rank found out about the lost peers (which exited, which did not
-    answer; Note [Failure census] in _liveness.py), or None before the census. It is a field
+    answer; Note [Failure census] in _runtime/liveness.py), or None before the census. It is a field
     of its own, shown after the engine's message, so neither is ever rewritten."""
 
     diagnosis = None
@@ -126,7 +126,7 @@ class NotInitializedError(HvdliteError, ValueError):
 
 class HostsUpdatedInterrupt(RuntimeError):
     """Elastic training: the launcher found new or departed hosts, and every rank stops at the
-    same operation to re-form the job (Note [Hosts updated] in _elastic_worker.py).
+    same operation to re-form the job (Note [Hosts updated] in _runtime/elastic_worker.py).
     ``hvdlite.elastic.run`` catches it. Not an HvdliteError: nothing failed, and the state is
     kept (``skip_sync`` is False: the new ranks still need it)."""
 
@@ -239,12 +239,12 @@ def _from_status(code, message, op="", tensor="", ranks=(), reason=""):
     The status's fields (Note [Status subjects] in csrc/status.h) become the exception's
     ``op``, ``tensor_name``, ``ranks`` and ``reason``; nothing is parsed back from the message.
     """
-    from ._native import _core
+    from ._runtime.native import _core
     codes = _core.STATUS_CODES
     if code == codes["invalid_argument"]:
         return HvdliteValueError(message, op=op or None, tensor_name=tensor or None,
                                  ranks=list(ranks) or None, reason=reason or None)
-    if code == codes["reset"]:  # Note [Hosts updated] in _elastic_worker.py
+    if code == codes["reset"]:  # Note [Hosts updated] in _runtime/elastic_worker.py
         return HostsUpdatedInterrupt(message, op=op or None, tensor_name=tensor or None,
                                      ranks=list(ranks) or None)
     cls = {

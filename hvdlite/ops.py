@@ -15,12 +15,12 @@ concurrently, give them names.
 
 import torch
 
-from . import _state
-from ._checks import (  # noqa: F401 (also used by other modules as ops.*)
+from ._runtime import state as _state
+from ._runtime.checks import (  # noqa: F401 (also used by other modules as ops.*)
     _ANY_DTYPE, _REDUCIBLE, _SUPPORTED_DTYPE_SET, _WIDENED, Adasum, Average, Max, Min, Product, Sum,
     _check_name, _check_root, _check_scale, _check_splits, _check_tensor, _check_tensors,
     _resolve_op)
-from ._native import _core
+from ._runtime.native import _core
 from .adasum import adasum
 from .exceptions import HvdliteTypeError, HvdliteValueError
 from .process_sets import ProcessSet, global_process_set

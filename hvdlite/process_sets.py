@@ -8,7 +8,8 @@ independently: a collective in one set never waits for another set's traffic.
 all ranks, in the same order, with the same ranks, also on ranks outside the set.
 """
 
-from . import _groups, _state
+from ._runtime import groups as _groups
+from ._runtime import state as _state
 from .exceptions import HvdliteTypeError, HvdliteValueError
 
 

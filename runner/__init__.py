@@ -8,7 +8,7 @@ Map of the package (one concept per file):
   environment.py   each rank's environment (the contract with hvd.init(), horovodrun's and
                    torchrun's names; the rules themselves live in hvdlite/_job/)
   rendezvous.py    the secret-protected key-value server (its wire protocol, client and
-                   SecretStore live in the library: hvdlite/_rendezvous_wire.py, _store.py)
+                   SecretStore live in the library: hvdlite/_job/wire.py, _runtime/store.py)
   network.py       interface addresses, local-host detection, free ports
   discovery.py     network discovery: which interfaces every host reaches every host through
   task_service.py  the task network discovery starts on each host (reports and probes)

@@ -33,7 +33,8 @@ def main(workdir: str) -> int:
     except BaseException as exc:  # noqa: B902 - the caller gets it, whatever it is
         if isinstance(exc, SystemExit) and exc.code in (0, None) and os.environ.get("HVDLITE_ELASTIC") == "1":
             return 0  # an elastic worker that left the job: the final ranks return the results
-        from hvdlite import _failure  # Note [Failure reports]: as an uncaught exception would be
+        # Note [Failure reports]: as an uncaught exception would be
+        from hvdlite._runtime import failure as _failure
         _failure.report(exc)
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         outcome = ("error", {"summary": summary, "traceback": traceback.format_exc()})

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Sequence
 
-from hvdlite._rendezvous_wire import RendezvousClient, RendezvousError
+from hvdlite._job.wire import RendezvousClient, RendezvousError
 from hvdlite.exceptions import NetworkDiscoveryError
 
 from .config import SshOptions

@@ -4,7 +4,7 @@ Note [Elastic driver]
 The launcher runs the discovery script every DISCOVERY_INTERVAL seconds (on a helper thread)
 and keeps one worker process per slot of every usable host, up to --max-np. Workers have
 stable ids, not ranks; each generation's ranks are handed out through the rendezvous store
-(Note [Elastic rendezvous] in hvdlite/_elastic_worker.py). The main thread loops:
+(Note [Elastic rendezvous] in hvdlite/_runtime/elastic_worker.py). The main thread loops:
   - a worker that exits non-zero (or is killed, or loses its ssh connection) failed: its
     host is blacklisted (Blacklist in elastic_plan.py) and the generation must end;
   - a worker that exits 0 without having been told to leave has finished training: from then

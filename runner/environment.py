@@ -4,12 +4,11 @@ hvd.init() reads exactly the HVDLITE_* names set by `rank_environment`; plain to
 code reads the torchrun names. Pure functions, no I/O.
 """
 import re
-from dataclasses import dataclass
 from typing import Dict, Mapping
 
 from hvdlite._job import rendezvous
 from hvdlite._job.place import PLACE_VARIABLES, environment
-from hvdlite._job.rendezvous import LauncherStore
+from hvdlite._job.rendezvous import Rendezvous  # noqa: F401  (the launcher's name for it)
 
 from .hosts import SlotInfo
 
@@ -25,28 +24,13 @@ _HOST_SPECIFIC_PREFIXES = ("SSH_", "BASH_FUNC_", "XDG_", "KRB5")
 _VALID_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where ranks meet: the launcher's store and rank 0's torch MASTER_ADDR/PORT."""
-
-    addr: str
-    port: int
-    secret: str
-    master_addr: str
-    master_port: int
-
-
 def rank_environment(base: Mapping[str, str], slot: SlotInfo, rdzv: Rendezvous,
                      core: Mapping[str, str]) -> Dict[str, str]:
     """`base` (the launcher's environment plus extras) with this rank's variables on top."""
     env = dict(base)
     env.update(core)
     env.update(environment(slot, slot.hostname))
-    env.update(LauncherStore(rdzv.addr, rdzv.port, rdzv.secret).to_env())
-    env.update({
-        "MASTER_ADDR": rdzv.master_addr,
-        "MASTER_PORT": str(rdzv.master_port),
-    })
+    env.update(rdzv.to_env())
     return env
 
 

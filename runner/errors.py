@@ -1,7 +1,7 @@
 """How a job ends, and the lines that explain a failure.
 
 Note [Root cause]
-Ranks report their own failures (Note [Failure reports] in hvdlite/_failure.py), each marked as
+Ranks report their own failures (Note [Failure reports] in hvdlite/_runtime/failure.py), each marked as
 a consequence when a peer caused it. The root cause of a failed job is the earliest failure
 that is not a consequence; if every report is a consequence, the rank they point at (which may
 have died without a word: killed, lost with its host, exited without an exception); without

@@ -5,7 +5,7 @@ Used by the launcher's main thread only; no state.
 import socket
 from typing import Optional, Set
 
-from hvdlite._netif import NetworkError, interface_address, interface_names  # noqa: F401
+from hvdlite._job.netif import NetworkError, interface_address, interface_names  # noqa: F401
 
 def local_addresses() -> Set[str]:
     """Every IPv4 address of this machine's interfaces, plus what its host name resolves to."""

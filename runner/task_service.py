@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Dict, List
 
-from hvdlite._netif import interface_addresses
-from hvdlite._rendezvous_wire import RendezvousClient, RendezvousError
+from hvdlite._job.netif import interface_addresses
+from hvdlite._job.wire import RendezvousClient, RendezvousError
 
 PROBE_TIMEOUT = 2.0
 _CHALLENGE = 16

@@ -8,4 +8,8 @@ elastic driver, hvdlite.ray and the tests import it without loading torch.
 - ``rendezvous``: hvdliterun's store as a rank reaches it, and the one place that builds a
   client for it from the environment.
 - ``keys``: every key a launcher and a rank share in that store.
+- ``wire``: the store's wire protocol and its client (Note [Rendezvous wire protocol]).
+- ``server``: the store itself, RendezvousServer, which hvdliterun and hvdlite.ray host.
+- ``netif``: this machine's interface addresses (the launcher's network discovery and a
+  rank's own records both need them).
 """

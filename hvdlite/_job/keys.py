@@ -24,7 +24,7 @@ def proc(rank):
     return f"{PROC}{rank}"
 
 
-FAILURES = "failures/"  # + rank: a rank's failure report (Note [Failure reports], _failure.py)
+FAILURES = "failures/"  # + rank: a rank's failure report (Note [Failure reports], _runtime/failure.py)
 
 
 def failure(rank):
@@ -35,7 +35,7 @@ def is_failure(key):
     return key.startswith(FAILURES)
 
 
-# Elastic mode (Note [Elastic rendezvous] in _elastic_worker.py): a worker's n-th request for
+# Elastic mode (Note [Elastic rendezvous] in _runtime/elastic_worker.py): a worker's n-th request for
 # a place and the launcher's answer, the end-of-generation notice, the last durable copy.
 def elastic_ready(worker, n):
     return f"elastic/ready/{worker}/{n}"

@@ -12,6 +12,7 @@ import re
 
 from ..exceptions import LaunchEnvironmentError
 from .place import Place
+from .rendezvous import Rendezvous
 
 DEFAULT_PORT = 29500
 
@@ -27,17 +28,9 @@ class Topology(Place):
     node: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
-class Rendezvous:
-    addr: str = ""
-    port: int = 0
-    secret: str = ""       # hvdliterun's per-job secret; empty: a plain TCPStore
-    host_store: bool = False  # this process hosts the store (rank 0 under mpirun/SLURM)
-
-
 def is_elastic_worker(env):
     """An elastic hvdliterun started this process as a worker without a rank (Note [Elastic
-    rendezvous] in _elastic_worker.py): its place comes from the launcher at each init()."""
+    rendezvous] in _runtime/elastic_worker.py): its place comes from the launcher at each init()."""
     return env.get("HVDLITE_ELASTIC") == "1"
 
 

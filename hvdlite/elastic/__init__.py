@@ -13,14 +13,15 @@
 Run under ``hvdliterun --host-discovery-script ...`` (runner/elastic.py). When a rank fails,
 every survivor rolls back to its last commit; when hosts come or go, every rank stops at the
 same operation and keeps its state. Either way every rank then re-forms the job with the
-launcher (Note [Elastic rendezvous] in hvdlite/_elastic_worker.py), the reset callbacks run,
+launcher (Note [Elastic rendezvous] in hvdlite/_runtime/elastic_worker.py), the reset callbacks run,
 the state is synced from rank 0, and the function is called again.
 """
 
 import functools
 import sys
 
-from .. import _elastic_worker, basics
+from .. import basics
+from .._runtime import elastic_worker as _elastic_worker
 from ..exceptions import (HostsUpdatedInterrupt, HvdliteError, MismatchError, NotInitializedError,
                           ObjectPicklingError, WorkerRemoved)
 from .sampler import ElasticSampler

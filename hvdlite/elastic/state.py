@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from .. import _elastic_worker, basics, functions
+from .. import basics, functions
+from .._runtime import elastic_worker as _elastic_worker
 from ..exceptions import HostsUpdatedInterrupt
 from .sampler import ElasticSampler
 

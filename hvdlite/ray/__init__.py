@@ -17,7 +17,7 @@ as possible; SPREAD: as many). Where Ray put them decides the ranks: the nodes i
 their first worker, ranks handed out node by node, so local ranks and sizes follow each node's
 workers and cross ranks number the nodes that have a worker of the same local rank (as
 hvdliterun does). The executor's process hosts the job's secret-protected rendezvous store
-(the launcher's, hvdlite/_rendezvous_server.py) on the driver node's address, or on 127.0.0.1
+(the launcher's, hvdlite/_job/server.py) on the driver node's address, or on 127.0.0.1
 when driver and workers share one node.
 """
 
@@ -31,7 +31,7 @@ import ray
 from .._job import place as _place
 from .._job.rendezvous import LauncherStore
 from ..exceptions import RayWorkerError
-from .._rendezvous_server import RendezvousServer, new_secret
+from .._job.server import RendezvousServer, new_secret
 
 __all__ = ["RayExecutor", "RayWorkerError"]
 

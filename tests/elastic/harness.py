@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from hvdlite._liveness import running as _alive  # a pid that runs and is no zombie
+from hvdlite._runtime.liveness import running as _alive  # a pid that runs and is no zombie
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(REPO, "tests", "elastic", "elastic_job.py")

@@ -1,5 +1,5 @@
 """The launcher's summary names the rank whose failure started it, and its error (Note [Root
-cause] in runner/errors.py, Note [Failure reports] in hvdlite/_failure.py); the peers' errors
+cause] in runner/errors.py, Note [Failure reports] in hvdlite/_runtime/failure.py); the peers' errors
 say why; hvdlite.runner.run and torchrun say the same. Summary lines are checked word for word."""
 import os
 import re

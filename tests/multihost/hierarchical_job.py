@@ -8,7 +8,7 @@ import sys
 import torch
 
 import hvdlite as hvd
-from hvdlite import _state
+from hvdlite._runtime import state as _state
 from tests.multirank._reference import assert_close, assert_members_close, rank_input, reduce_reference
 
 CHUNK = 4 << 20  # ShmChannel::ChunkBytes for 2 ranks on a host

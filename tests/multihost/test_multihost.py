@@ -174,7 +174,7 @@ def test_rendezvous_is_reachable_from_other_hosts_and_refuses_a_wrong_secret(hos
     from hvdlite.runner.rendezvous import RendezvousServer, new_secret
     server = RendezvousServer(new_secret(), host="0.0.0.0").start()
     try:
-        client = ("import sys; from hvdlite._rendezvous_wire import RendezvousClient, RendezvousError\n"
+        client = ("import sys; from hvdlite._job.wire import RendezvousClient, RendezvousError\n"
                   "addr, port, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3]\n"
                   "try:\n"
                   "    c = RendezvousClient(addr, port, secret, connect_timeout=5)\n"

@@ -118,7 +118,7 @@ def test_invalid_job_wide_setting_on_another_rank_is_not_used():
 def other_build_job():
     import os
 
-    import hvdlite._settings as settings
+    import hvdlite._runtime.settings as settings
     own = settings.own_record
     if os.environ["HVDLITE_RANK"] == "1":  # this rank pretends to run another build
         settings.own_record = lambda rank, env=None: {**own(rank, env), "build": "000000000000"}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hvdlite as hvd
-from hvdlite import _state
+from hvdlite._runtime import state as _state
 from tests.harness import Job, run_ranks
 from tests.multirank._reference import assert_close, rank_input, reduce_reference
 

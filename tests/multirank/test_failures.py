@@ -128,8 +128,8 @@ def test_shutdown_fails_in_flight_operations_on_every_rank():
 
 
 def _reset_is_a_code(reset):
-    from hvdlite import _state
-    from hvdlite._elastic_worker import HOSTS_UPDATED
+    from hvdlite._runtime import state as _state
+    from hvdlite._runtime.elastic_worker import HOSTS_UPDATED
     hvd.init()
     hvd.allreduce(torch.ones(2), name="warm-up")
     if hvd.rank() == 0:

@@ -11,7 +11,7 @@ from tests.multirank._reference import linear_training
 
 
 def _alive(pid):
-    from hvdlite._liveness import running
+    from hvdlite._runtime.liveness import running
     return running(pid)
 
 

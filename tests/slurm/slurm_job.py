@@ -8,7 +8,7 @@ import sys
 import torch
 
 import hvdlite as hvd
-from hvdlite import _state
+from hvdlite._runtime import state as _state
 
 out, tag = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)

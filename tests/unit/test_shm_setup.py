@@ -1,4 +1,4 @@
-"""Setting up the shared-memory channel (hvdlite/_groups.py, Note [Shared-memory allreduce]) in
+"""Setting up the shared-memory channel (hvdlite/_runtime/groups.py, Note [Shared-memory allreduce]) in
 one process: a segment is mapped and its name unlinked at once, and a member whose pid this
 process cannot see (another pid namespace) turns the channel off instead of looking dead."""
 import glob
@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from hvdlite import _groups
+from hvdlite._runtime import groups as _groups
 
 
 def _segments():

@@ -18,9 +18,9 @@ import secrets
 import torch
 import torch.distributed as dist
 
-from . import _liveness
-from ._native import _core
-from .exceptions import RankFailureError
+from . import liveness as _liveness
+from .native import _core
+from ..exceptions import RankFailureError
 
 # Note [Process group timeout]: the engine only starts a data collective once negotiation has
 # shown every rank is ready, and an idle engine still joins a negotiation round every heartbeat,

@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from . import _state
-from ._rendezvous_wire import RendezvousClient, RendezvousError, RendezvousTimeout
+from . import state as _state
+from .._job.wire import RendezvousClient, RendezvousError, RendezvousTimeout
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 

@@ -2,8 +2,8 @@
 
 hvdliterun runs a `RendezvousServer` (runner/rendezvous.py re-exports this module), as does
 hvdlite.ray's executor; every rank builds a `SecretStore` (a `torch.distributed.Store`,
-hvdlite/_store.py) with `connect(...)` and hands it to torch.distributed. The wire protocol
-and the client are in hvdlite/_rendezvous_wire.py (Note [Rendezvous wire protocol]); this
+hvdlite/_runtime/store.py) with `connect(...)` and hands it to torch.distributed. The wire protocol
+and the client are in hvdlite/_job/wire.py (Note [Rendezvous wire protocol]); this
 module is the server. It has no torch import, so the launcher itself starts fast.
 
 Threads: the server has one accepting thread plus one thread per client connection; they share
@@ -20,15 +20,15 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Set
 
-from ._job import keys
-from ._rendezvous_wire import (  # noqa: F401  (re-exported for the launcher and tests)
+from . import keys
+from .wire import (  # noqa: F401  (re-exported for the launcher and tests)
     HANDSHAKE_TIMEOUT, MAGIC, _MAX_HANDSHAKE_FRAME, RendezvousClient, RendezvousError,
     RendezvousTimeout, _mac, new_secret, recv_frame, send_frame)
 
 
 def connect(addr, port, secret, rank=-1, timeout=None):
-    """hvdlite._store.connect (imports torch only when called)."""
-    from hvdlite._store import connect as connect_store
+    """hvdlite._runtime.store.connect (imports torch only when called)."""
+    from hvdlite._runtime.store import connect as connect_store
     return connect_store(addr, port, secret, rank=rank, timeout=timeout)
 
 
@@ -189,7 +189,7 @@ class RendezvousServer:
 
     def lost_contact(self, rank: int) -> Optional[dict]:
         """What `rank` published before failing when it lost contact with peers (Note [Failure
-        census] in hvdlite/_liveness.py): {"text": ..., "ranks": [...]}, newest generation
+        census] in hvdlite/_runtime/liveness.py): {"text": ..., "ranks": [...]}, newest generation
         first; None if nothing."""
         found = self._table.items_ending(f"/lost/{rank}".encode())
         if not found:
@@ -210,7 +210,7 @@ class RendezvousServer:
         return self._table.peek(key.encode())
 
     def failure_records(self) -> Dict[int, dict]:
-        """Every rank's failure report (Note [Failure reports] in hvdlite/_failure.py)."""
+        """Every rank's failure report (Note [Failure reports] in hvdlite/_runtime/failure.py)."""
         records = {}
         for key, value in self._table.items_ending(b"").items():
             if keys.is_failure(key.decode(errors="replace")):
@@ -222,7 +222,7 @@ class RendezvousServer:
         return records
 
     def rank_host(self, rank: int) -> Optional[str]:
-        """The host name `rank` published at hvd.init() (hvdlite/_liveness.py), if any."""
+        """The host name `rank` published at hvd.init() (hvdlite/_runtime/liveness.py), if any."""
         found = self._table.items_ending(f"/{keys.proc(rank)}".encode())
         for _, value in sorted(found.items(), reverse=True):
             try:

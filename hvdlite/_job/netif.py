@@ -5,7 +5,7 @@ import socket
 import struct
 from typing import Dict, List
 
-from .exceptions import NetworkError
+from ..exceptions import NetworkError
 
 _SIOCGIFADDR = 0x8915
 

@@ -2,7 +2,7 @@
 "timed out".
 
 At init every rank publishes its host name and pid in the rendezvous store (with the build
-and settings record of _settings.py); before the engines start each rank reads the whole table
+and settings record of _runtime/settings.py); before the engines start each rank reads the whole table
 (a rendezvous of every rank). When an engine
 reports a rank failure, ranks on the same host can be checked directly: a peer whose pid no
 longer runs (or is a zombie) is the lost rank. Peers on other hosts are named by the address
@@ -26,8 +26,8 @@ import socket
 import threading
 import time
 
-from . import _netif
-from ._job import keys
+from .._job import netif as _netif
+from .._job import keys
 
 CENSUS_SECONDS = 2.0
 

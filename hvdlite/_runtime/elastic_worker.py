@@ -39,12 +39,12 @@ import json
 import os
 import threading
 
-from . import _state
-from ._job import keys
-from ._job.launchers import is_elastic_worker
-from ._job.place import Place, environment
-from ._job.rendezvous import LauncherStore
-from .exceptions import ElasticAbort, WorkerRemoved
+from . import state as _state
+from .._job import keys
+from .._job.launchers import is_elastic_worker
+from .._job.place import Place, environment
+from .._job.rendezvous import LauncherStore
+from ..exceptions import ElasticAbort, WorkerRemoved
 
 
 _ASSIGN_SLACK_SECONDS = 60.0
@@ -143,7 +143,7 @@ def watch_hosts(generation, engines):
     with HOSTS_UPDATED when the launcher announces new hosts during elastic generation
     `generation`."""
     def run():
-        from ._rendezvous_wire import RendezvousError
+        from .._job.wire import RendezvousError
         try:
             client = _launcher().client()
             value = client.call(b"GET", [keys.elastic_notice(generation).encode(), b"0"], 0)[0]

@@ -16,9 +16,9 @@ from the same records:
 import os
 import sys
 
-from . import __version__
-from ._native import _core
-from .exceptions import MismatchError, SettingsError
+from .. import __version__
+from .native import _core
+from ..exceptions import MismatchError, SettingsError
 
 # A test hook: a rank with this set runs with its own job-wide values, so that tests can show
 # what the per-round settings digest does when ranks do differ (tests/multirank/test_agreement.py).

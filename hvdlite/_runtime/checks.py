@@ -9,9 +9,9 @@ import numbers
 
 import torch
 
-from . import _state
-from ._native import _core
-from .exceptions import HvdliteTypeError, HvdliteValueError
+from . import state as _state
+from .native import _core
+from ..exceptions import HvdliteTypeError, HvdliteValueError
 
 # Reduce ops, with horovod.torch's values (csrc/types.h exports them).
 Average = _core.REDUCE_OPS["Average"]

@@ -1,7 +1,7 @@
 """The rendezvous store's wire protocol and its client, as hvd.init() uses them.
 
 The launcher (hvdlite.runner.rendezvous) hosts the server; every rank connects with the client
-here, wrapped as a torch.distributed.Store by _store.py. No torch import.
+here, wrapped as a torch.distributed.Store by _runtime/store.py. No torch import.
 
 Note [Rendezvous wire protocol]
 Every message is a frame: a 4-byte big-endian length, then that many bytes holding a sequence of
@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Iterable, List, Optional, Sequence
 
-from .exceptions import RendezvousError, RendezvousTimeout
+from ..exceptions import RendezvousError, RendezvousTimeout
 
 MAGIC = b"HVDLITE-RDZV-1"
 HANDSHAKE_TIMEOUT = 10.0

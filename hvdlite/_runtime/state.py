@@ -15,10 +15,10 @@ import itertools
 import os
 import threading
 
-from . import _liveness
-from ._job import launchers
-from ._job.launchers import Topology
-from .exceptions import NotInitializedError, RankFailureError
+from . import liveness as _liveness
+from .._job import launchers
+from .._job.launchers import Topology
+from ..exceptions import NotInitializedError, RankFailureError
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ class State:
 @dataclasses.dataclass
 class ElasticWorker:
     """An elastic worker's side of its conversation with the launcher (Note [Elastic
-    rendezvous] in _elastic_worker.py), for the life of the process."""
+    rendezvous] in _runtime/elastic_worker.py), for the life of the process."""
     lock: object = dataclasses.field(default_factory=threading.Lock)
     client: object = None     # the connection to the launcher's store, once made
     requests: int = 0         # requests for a place made so far

@@ -8,7 +8,7 @@ import torch  # noqa: F401  (the extension links against torch's libraries: load
 try:
     # Not `from . import _core`: that would ask the package's lazy __getattr__, which sends
     # `_core` here (Note [Lazy exports] in __init__.py).
-    _core = importlib.import_module(f"{__package__}._core")
+    _core = importlib.import_module("hvdlite._core")
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
         "hvdlite's native extension hvdlite._core could not be imported "

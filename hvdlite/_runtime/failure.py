@@ -25,9 +25,10 @@ import sys
 import time
 import traceback
 
-from . import _state, exceptions
-from ._job import keys
-from ._job.rendezvous import LauncherStore
+from .. import exceptions
+from . import state as _state
+from .._job import keys
+from .._job.rendezvous import LauncherStore
 
 _CONSEQUENCES = (exceptions.ShutdownError, exceptions.RankFailureError)
 
@@ -54,7 +55,7 @@ def _where(tb):
     frames = traceback.extract_tb(tb)
     if not frames:
         return None
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hvdlite/, not _runtime/
     outside = [f for f in frames
                if not os.path.abspath(f.filename).startswith(package) and "/torch/" not in f.filename]
     frame = (outside or frames)[-1]
@@ -73,7 +74,7 @@ def record_for(exc, tb=None):
 
 def _deliver(record):
     env = os.environ
-    from ._rendezvous_wire import RendezvousError
+    from .._job.wire import RendezvousError
     try:
         launcher = LauncherStore.from_env(env)
     except ValueError:  # a port that is not a number: the exit code still tells the launcher
