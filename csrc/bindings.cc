@@ -17,6 +17,7 @@
 #include "message.h"
 #include "status_error.h"
 #include "test_hooks.h"
+#include "torch_backend.h"
 
 namespace py = pybind11;
 
@@ -36,7 +37,7 @@ Config ConfigFromMap(const std::map<std::string, std::string>& env) {
 
 // `settings`: the HVDLITE_* variables in force for this engine, job-wide ones from rank 0
 // (Note [Job-wide settings] in config.h); hvd.init() builds it.
-std::unique_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
+std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
                                    std::vector<c10::intrusive_ptr<c10d::Backend>> cpu,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int rank,
                                    int size, const std::map<std::string, std::string>& settings,
@@ -53,7 +54,7 @@ std::unique_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
   if (hierarchical && cross_backend == nullptr && shm == nullptr) {
     Check(Status(StatusCode::kInternal, "a hierarchical engine needs a shared-memory channel or a cross-host group"));
   }
-  return std::make_unique<Engine>(config, rank, size, MakeC10dBackend(std::move(control)),
+  return std::make_shared<Engine>(config, rank, size, MakeC10dBackend(std::move(control)),
                                   std::move(cpu_backends), std::move(cuda_backend), std::move(shm),
                                   std::move(cross_backend), hierarchical);
 }
@@ -203,7 +204,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("BUILD_ID") = HVDLITE_BUILD_ID;
   m.attr("JOB_WIDE_SETTINGS") = JobWideVariables();
 
-  py::class_<Engine>(m, "Engine")
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu"),
            py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
            py::arg("shm").none(true) = nullptr, py::arg("cross").none(true) = py::none(),
@@ -271,4 +272,12 @@ PYBIND11_MODULE(_core, m) {
 
   DefineTestHooks(m);
   m.def("_parse_config", &ParseConfig);
+  // Note [Engine behind a process group] (torch_backend.h): the c10d::Backend over `engine`.
+  m.def(
+      "torch_backend",
+      [](std::shared_ptr<Engine> engine, double timeout_seconds) -> c10::intrusive_ptr<c10d::Backend> {
+        return c10::make_intrusive<TorchBackend>(
+            std::move(engine), std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+      },
+      py::arg("engine"), py::arg("timeout_seconds"));
 }

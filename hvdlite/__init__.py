@@ -76,3 +76,47 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+# Note [Registering the torch.distributed backend]
+# init_process_group("hvdlite") works after `import hvdlite` (hvdlite/torch_backend.py). The
+# registration needs torch.distributed, which Note [Lazy exports] keeps out of this import:
+# when torch is already loaded (the common order: import torch, then hvdlite) the backend is
+# registered now; otherwise a one-shot import hook registers it once torch has loaded, so the
+# launcher, which never imports torch, pays nothing.
+def _register_backend():
+    from .torch_backend import register
+    register()
+
+
+def _register_after_torch():
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class _AfterTorch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            if name != "torch":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.loader is not None:
+                self._inner = spec.loader
+                spec.loader = self
+            return spec
+
+        def create_module(self, spec):
+            return self._inner.create_module(spec)
+
+        def exec_module(self, module):
+            module.__loader__ = self._inner
+            self._inner.exec_module(module)
+            _register_backend()
+
+    if "torch" in sys.modules:
+        _register_backend()
+    else:
+        sys.meta_path.insert(0, _AfterTorch())
+
+
+_register_after_torch()

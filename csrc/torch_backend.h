@@ -1,0 +1,142 @@
+// TorchBackend: hvdlite's engine behind a torch.distributed process group, so that code written
+// for torch.distributed (DDP, FSDP2, ZeroRedundancyOptimizer, torch.distributed.checkpoint)
+// runs its collectives through the engine after init_process_group("hvdlite").
+//
+// Note [Engine behind a process group]
+// hvdlite/torch_backend.py registers the backend "hvdlite" with torch.distributed; for every
+// process group torch creates with it, the creator builds an engine of its own from the store,
+// rank and size torch hands over (the same start_engine as hvd.init(), so the group gets the
+// agreement checks, fusion, shared memory, the stall check and named dead peers), and wraps it
+// in a TorchBackend. Each c10d call becomes one enqueue of engine requests, under names drawn
+// in call order from the engine (c10d requires every rank to issue the same collectives in
+// the same order, so the n-th call has the same name everywhere: Note [Generated names]), and
+// returns a TorchWork at once. One completion thread per backend waits for the works in the
+// order they were submitted and copies results into the caller's tensors where the engine's
+// output is its own (allgather, reducescatter, alltoall). Completing the work's future runs
+// the callbacks chained on it (DDP chains its bucket callbacks there, so a future must
+// complete by itself, not only when someone calls wait()), and a callback may itself start a
+// collective and wait for it: PowerSGD's hook does. So the completion thread never runs
+// callbacks; it hands each completion to a delivery thread, and when that thread is still
+// inside an earlier callback (perhaps waiting for this very work), to a thread of its own.
+// No lock and no GIL is held while callbacks run. A failed operation completes the future
+// with a DistBackendError that carries the engine's message (the operation, the ranks, what
+// differs or who was lost).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine.h"
+
+namespace hvdlite {
+
+// Turns the engine's outputs (one per request, in order) into the work's result, writing into
+// the caller's tensors where the engine allocated its own.
+using WorkFinish = std::function<std::vector<at::Tensor>(std::vector<at::Tensor>& outputs)>;
+
+class TorchWork : public c10d::Work {
+ public:
+  TorchWork(int rank, c10d::OpType type, std::string what, std::vector<int64_t> handles,
+            WorkFinish finish, std::vector<c10::Device> devices);
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  // Blocks until the work completes; rethrows its failure (a DistBackendError).
+  bool wait(std::chrono::milliseconds timeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override;
+
+ private:
+  friend class TorchBackend;
+  const std::string what_;  // "allreduce", ... for errors
+  std::vector<int64_t> handles_;
+  WorkFinish finish_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class TorchBackend : public c10d::Backend {
+ public:
+  TorchBackend(std::shared_ptr<Engine> engine, std::chrono::milliseconds timeout);
+  ~TorchBackend() override;
+  const std::string getBackendName() const override { return "hvdlite"; }
+  void shutdown() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+ private:
+  // Enqueues `args` (named here, in call order) and hands the work to the completion thread.
+  c10::intrusive_ptr<c10d::Work> Submit(c10d::OpType type, const std::string& what, std::vector<EnqueueArgs> args,
+                                        WorkFinish finish);
+  // One request of `kind` on `input`, `output` (undefined: the engine allocates it).
+  EnqueueArgs Request(CollectiveKind kind, const at::Tensor& input, const at::Tensor& output) const;
+  void CompleteLoop();
+  // Note [Engine behind a process group]: runs `complete` on the delivery thread, or on a
+  // thread of its own while the delivery thread is busy.
+  void Deliver(std::function<void()> complete);
+  void DeliverLoop();
+
+  std::shared_ptr<Engine> engine_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<TorchWork>> pending_;  // under mu_, in submission order
+  bool stopping_ = false;                              // under mu_
+  bool completer_running_ = true;                      // under mu_
+  std::thread completer_;
+  std::deque<std::function<void()>> deliveries_;  // under mu_
+  bool delivering_ = false;                       // under mu_: the delivery thread runs one
+  std::condition_variable delivery_cv_;
+  std::thread deliverer_;
+};
+
+}  // namespace hvdlite

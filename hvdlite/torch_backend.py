@@ -1,0 +1,52 @@
+"""hvdlite as a torch.distributed backend: ``init_process_group("hvdlite")`` (after
+``import hvdlite``) runs every collective of the process group through hvdlite's engine.
+
+Note [Engine behind a process group] in csrc/torch_backend.h says how a c10d call becomes an
+engine operation. This module is the Python half: the creator torch calls for each process
+group with the backend "hvdlite" (the default group, and each ``new_group``), which builds the
+group's engine from the store, rank and size torch hands over, as ``hvd.init()`` builds its
+own: every rank publishes its record (host, pid, build, settings), the records are checked
+alike on every rank, rank 0's job-wide settings apply, and ``start_engine`` opens the Gloo
+groups and, when every rank shares the host, the shared-memory channel. So a group created
+under torchrun, hvdliterun, SLURM or mpirun, by env://, tcp://, file:// or a store passed in,
+gets the same engine; it is independent of ``hvd.init()``'s engines in the same process.
+"""
+
+import ipaddress
+import os
+import socket
+
+import torch.distributed as dist
+
+from ._runtime import groups as _groups
+from ._runtime import liveness as _liveness
+from ._runtime import settings as _settings
+from ._runtime.native import _core
+
+NAME = "hvdlite"
+
+
+def _is_loopback(addr):
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _create(store, rank, size, timeout):
+    """torch.distributed's creator for one process group of the backend "hvdlite"."""
+    own = {**_settings.own_record(rank), "place_host": socket.gethostname(), "local_rank": -1}
+    _liveness.publish(store, "hvdlite/", rank, own)
+    peers = _liveness.read(store, "hvdlite/", size)
+    _settings.check_records(peers)
+    settings = _settings.in_force(peers, rank)
+    one_host = len({p["host"] for p in peers}) == 1
+    loopback = one_host and _is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    engine, _ = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers)
+    return _core.torch_backend(engine, timeout.total_seconds())
+
+
+def register():
+    """Registers the backend with torch.distributed (once; hvdlite's import calls it)."""
+    if NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(NAME, _create, devices=["cpu", "cuda"])
