@@ -144,9 +144,10 @@ bool Engine::TryWait(int64_t handle, at::Tensor* output, std::vector<int64_t>* a
 }
 
 void Engine::WaitAll(const std::vector<int64_t>& handles, std::vector<at::Tensor>* outputs,
-                     std::vector<std::vector<int64_t>>* aux, std::vector<Status>* statuses) {
+                     std::vector<std::vector<int64_t>>* aux, std::vector<Status>* statuses,
+                     bool as_caller) {
   std::vector<Completion> completions;
-  const bool blocks = !handles_.AllDone(handles);
+  const bool blocks = as_caller && !handles_.AllDone(handles);
   if (blocks) queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
   handles_.WaitAll(handles, &completions, statuses);
   if (blocks) queue_.RemoveWaiter();

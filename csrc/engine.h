@@ -107,8 +107,16 @@ class Engine {
   bool TryWait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux, Status* status);
   // Waits for every handle of a group at once (Note [Completing in one step]); statuses[i] is
   // handles[i]'s outcome.
+  // `as_caller` false: a helper thread waits (TorchBackend's completion thread), not a caller
+  // whose wait should end the gathering or make the shared-memory channel spin (Note [Yield
+  // only while a caller waits]).
   void WaitAll(const std::vector<int64_t>& handles, std::vector<at::Tensor>* outputs,
-               std::vector<std::vector<int64_t>>* aux, std::vector<Status>* statuses);
+               std::vector<std::vector<int64_t>>* aux, std::vector<Status>* statuses,
+               bool as_caller = true);
+  // A caller that waits on something the engine will complete, outside Wait/WaitAll (a
+  // TorchWork's wait()).
+  void AddWaiter() { queue_.AddWaiter(); }
+  void RemoveWaiter() { queue_.RemoveWaiter(); }
   // Starts writing the timeline to `path` (empty: stops it); returns once the background thread
   // has switched, false if the engine has stopped.
   bool SetTimeline(const std::string& path);

@@ -57,9 +57,10 @@ at::Tensor AsRow(const at::Tensor& t) { return t.reshape({1, t.numel()}); }
 
 }  // namespace
 
-TorchWork::TorchWork(int rank, c10d::OpType type, std::string what, std::vector<int64_t> handles,
-                     WorkFinish finish, std::vector<c10::Device> devices)
+TorchWork::TorchWork(std::shared_ptr<Engine> engine, int rank, c10d::OpType type, std::string what,
+                     std::vector<int64_t> handles, WorkFinish finish, std::vector<c10::Device> devices)
     : c10d::Work(rank, type),
+      engine_(std::move(engine)),
       what_(std::move(what)),
       handles_(std::move(handles)),
       finish_(std::move(finish)),
@@ -72,8 +73,12 @@ bool TorchWork::isSuccess() const { return future_->completed() && !future_->has
 
 bool TorchWork::wait(std::chrono::milliseconds /*timeout*/) {
   // The engine fails a stalled or lost operation by itself (the stall check, a dead peer),
-  // so the wait needs no timer of its own.
-  future_->wait();
+  // so the wait needs no timer of its own. A caller blocks here: the engine may spin for it.
+  if (!future_->completed()) {
+    engine_->AddWaiter();
+    future_->wait();
+    engine_->RemoveWaiter();
+  }
   if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
   return true;
 }
@@ -150,7 +155,7 @@ void TorchBackend::CompleteLoop() {
     std::vector<at::Tensor> outputs;
     std::vector<std::vector<int64_t>> aux;
     std::vector<Status> statuses;
-    engine_->WaitAll(work->handles_, &outputs, &aux, &statuses);
+    engine_->WaitAll(work->handles_, &outputs, &aux, &statuses, /*as_caller=*/false);
     const Status* failed = nullptr;
     for (const Status& s : statuses) {
       if (!s.ok()) {
@@ -200,7 +205,7 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::Submit(c10d::OpType type, const std
   std::vector<int64_t> handles;
   Status status = engine_->Enqueue(std::move(args), &handles);
   if (!status.ok()) C10_THROW_ERROR(DistBackendError, "hvdlite backend: " + status.message());
-  auto work = c10::make_intrusive<TorchWork>(rank_, type, what, std::move(handles), std::move(finish),
+  auto work = c10::make_intrusive<TorchWork>(engine_, rank_, type, what, std::move(handles), std::move(finish),
                                              std::move(devices));
   {
     std::lock_guard<std::mutex> lock(mu_);

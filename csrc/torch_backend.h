@@ -46,8 +46,8 @@ using WorkFinish = std::function<std::vector<at::Tensor>(std::vector<at::Tensor>
 
 class TorchWork : public c10d::Work {
  public:
-  TorchWork(int rank, c10d::OpType type, std::string what, std::vector<int64_t> handles,
-            WorkFinish finish, std::vector<c10::Device> devices);
+  TorchWork(std::shared_ptr<Engine> engine, int rank, c10d::OpType type, std::string what,
+            std::vector<int64_t> handles, WorkFinish finish, std::vector<c10::Device> devices);
   bool isCompleted() override;
   bool isSuccess() const override;
   // Blocks until the work completes; rethrows its failure (a DistBackendError).
@@ -57,6 +57,7 @@ class TorchWork : public c10d::Work {
 
  private:
   friend class TorchBackend;
+  std::shared_ptr<Engine> engine_;
   const std::string what_;  // "allreduce", ... for errors
   std::vector<int64_t> handles_;
   WorkFinish finish_;

@@ -39,7 +39,10 @@ def _create(store, rank, size, timeout):
     _liveness.publish(store, "hvdlite/", rank, own)
     peers = _liveness.read(store, "hvdlite/", size)
     _settings.check_records(peers)
-    settings = _settings.in_force(peers, rank)
+    # Note [Engine behind a process group]: DDP and FSDP already bucket their gradients, so
+    # the engine does not hold small rounds back for more bytes (Note [Gathering by size]);
+    # the same on every rank, so the job-wide digest agrees.
+    settings = {**_settings.in_force(peers, rank), "HVDLITE_GATHER_BYTES": "0"}
     one_host = len({p["host"] for p in peers}) == 1
     loopback = one_host and _is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     engine, _ = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers)

@@ -82,3 +82,12 @@ def test_elastic_digits_through_a_kill_and_an_addition_matches_an_uninterrupted_
     assert elastic["final_size"] == 4 and plain["final_size"] == 4
     assert abs(elastic["accuracy"] - plain["accuracy"]) <= 1.0, (elastic, plain)
     assert plain["accuracy"] > 90.0, plain
+
+
+def test_ddp_example_over_hvdlite_matches_gloo():
+    # The same DDP script, the backend name its only difference (examples/ddp_backend.py).
+    ours = run_example("ddp_backend.py", np=2)
+    gloo = run_example("ddp_backend.py", "--backend", "gloo", np=2)
+    assert "over hvdlite" in ours and "over gloo" in gloo
+    pattern = r"test accuracy: ([\d.]+)%"
+    assert number(pattern, ours) == number(pattern, gloo) >= 90.0, (ours[-500:], gloo[-500:])

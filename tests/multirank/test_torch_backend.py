@@ -233,3 +233,56 @@ def test_a_rank_killed_during_ddp_backward_fails_the_others_naming_it():
         message, seconds = result
         assert seconds < 10, (rank, seconds, message)
         assert "rank 1" in message, (rank, message)
+
+
+# ---- FSDP2 and distributed checkpoints over the backend ----------------------------------------
+
+def _fsdp_and_dcp(ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, size = _init("store")
+    batches = [_batches(r, 5) for r in range(size)]
+    # the reference: one process, the mean of every rank's loss
+    ref = _model(3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(5):
+        ref_opt.zero_grad()
+        (sum(torch.nn.functional.mse_loss(ref(x), y) for x, y in (b[step] for b in batches)) / size).backward()
+        ref_opt.step()
+    model = _model(3)
+    mesh = init_device_mesh("cpu", (size,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    _train(model, opt, batches[rank])
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    fsdp_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    # a DCP save and load round trip, model and optimizer, into fresh objects
+    model_sd, opt_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=ckpt_dir)
+    fresh = _model(4)
+    for layer in (fresh[0], fresh[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fresh, mesh=mesh)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    f_model_sd, f_opt_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": f_model_sd, "optim": f_opt_sd}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    restored = all(torch.equal(a.full_tensor(), b.full_tensor())
+                   for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    momenta = [(fresh_opt.state[a]["momentum_buffer"], opt.state[b]["momentum_buffer"])
+               for a, b in zip(fresh.parameters(), model.parameters())]
+    restored = restored and len(momenta) == 4 and all(torch.equal(a.full_tensor(), b.full_tensor())
+                                                      for a, b in momenta)
+    dist.destroy_process_group()
+    return fsdp_err, restored
+
+
+def test_fsdp2_trains_as_one_process_and_dcp_round_trips(tmp_path):
+    for rank, (err, restored) in enumerate(Job(2, __name__, "_fsdp_and_dcp", str(tmp_path)).wait(timeout=180)):
+        assert err < 1e-5, (rank, err)
+        assert restored, f"rank {rank}: the DCP round trip did not restore the parameters"
