@@ -108,6 +108,9 @@ void TorchBackend::shutdown() {
   if (completer_.joinable()) completer_.join();  // it delivers everything it took
   delivery_cv_.notify_all();
   if (deliverer_.joinable()) deliverer_.join();
+  // Let go of the engine (its process groups, their sockets); works still held elsewhere keep
+  // it until they go.
+  engine_.reset();
 }
 
 void TorchBackend::Deliver(std::function<void()> complete) {
@@ -190,6 +193,10 @@ EnqueueArgs TorchBackend::Request(CollectiveKind kind, const at::Tensor& input, 
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::Submit(c10d::OpType type, const std::string& what,
                                                     std::vector<EnqueueArgs> args, WorkFinish finish) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!stopping_, "hvdlite backend: ", what, " after the process group was shut down");
+  }
   // Note [Engine behind a process group]: names in call order; a call of several tensors is
   // one group, which the engine runs as one (fused) operation.
   if (args.size() == 1) {

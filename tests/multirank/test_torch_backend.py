@@ -27,6 +27,9 @@ def _init(how):
         store = dist.TCPStore("127.0.0.1", int(os.environ["HVDLITE_RENDEZVOUS_PORT"]), size, is_master=False,
                               timeout=timeout)
         dist.init_process_group("hvdlite", store=store, rank=rank, world_size=size, timeout=timeout)
+    elif how == "file":
+        dist.init_process_group("hvdlite", init_method=f"file://{os.environ['TEST_FILE']}",
+                                rank=rank, world_size=size, timeout=timeout)
     else:
         dist.init_process_group("hvdlite", init_method=f"tcp://127.0.0.1:{os.environ['TEST_PORT']}",
                                 rank=rank, world_size=size, timeout=timeout)
@@ -34,6 +37,10 @@ def _init(how):
 
 
 def _every_collective(how):
+    import hvdlite as hvd
+    beside = os.environ.get("TEST_BESIDE") == "1"  # also hvd.init()'s own engine in the same process
+    if beside:
+        hvd.init()
     rank, size = _init(how)
     assert dist.get_backend() == "hvdlite"
     ranks = range(size)
@@ -110,6 +117,12 @@ def _every_collective(how):
         t = _data(rank)
         dist.all_reduce(t, group=evens)
         assert torch.equal(t, sum(_data(r) for r in ranks if r % 2 == 0))
+    if beside:
+        assert torch.equal(hvd.allreduce(_data(rank), op=hvd.Sum), sum(_data(r) for r in ranks))
+        t = _data(rank)
+        dist.all_reduce(t)
+        assert torch.equal(t, sum(_data(r) for r in ranks))
+        hvd.shutdown()
     dist.destroy_process_group()
     return {"done": True}
 
@@ -120,9 +133,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("size,how", [(2, "store"), (3, "tcp")])
-def test_every_collective_through_init_process_group(size, how):
-    env = {"TEST_PORT": str(_free_port())}
+@pytest.mark.parametrize("size,how", [(2, "store"), (3, "tcp"), (2, "file")])
+def test_every_collective_through_init_process_group(size, how, tmp_path):
+    env = {"TEST_PORT": str(_free_port()), "TEST_FILE": str(tmp_path / "rendezvous"),
+           "TEST_BESIDE": "1" if how == "file" else "0"}
     results = Job(size, __name__, "_every_collective", how, env=env).wait(timeout=120)
     assert all(r["done"] for r in results)
 
