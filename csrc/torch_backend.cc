@@ -392,7 +392,30 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::allgather(std::vector<std::vector<a
 c10::intrusive_ptr<c10d::Work> TorchBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::AllgatherOptions& opts) {
-  return allgather(outputs, inputs, opts);
+  // outputs[r][i] receives rank r's input i (the lists are per rank, unlike allgather's).
+  TORCH_CHECK(static_cast<int>(outputs.size()) == size_, "hvdlite backend: all_gather_coalesced: ",
+              outputs.size(), " output lists for a group of ", size_);
+  std::vector<EnqueueArgs> args;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    for (int r = 0; r < size_; ++r) {
+      TORCH_CHECK(outputs[r].size() == inputs.size() && outputs[r][i].numel() == inputs[i].numel(),
+                  "hvdlite backend: all_gather_coalesced: the output list of rank ", r,
+                  " does not match the inputs");
+    }
+    args.push_back(Request(CollectiveKind::kAllgather, AsRow(inputs[i]), at::Tensor()));
+  }
+  std::vector<std::vector<at::Tensor>> targets = outputs;
+  return Submit(c10d::OpType::ALLGATHER_COALESCED, "all_gather_coalesced", std::move(args),
+                [targets](std::vector<at::Tensor>& out) {
+                  std::vector<at::Tensor> flat;
+                  for (size_t r = 0; r < targets.size(); ++r) {
+                    for (size_t i = 0; i < targets[r].size(); ++i) {
+                      targets[r][i].copy_(out[i][r].view(targets[r][i].sizes()));
+                      flat.push_back(targets[r][i]);
+                    }
+                  }
+                  return flat;
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
