@@ -193,16 +193,18 @@ EnqueueArgs TorchBackend::Request(CollectiveKind kind, const at::Tensor& input, 
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::Submit(c10d::OpType type, const std::string& what,
                                                     std::vector<EnqueueArgs> args, WorkFinish finish) {
+  std::shared_ptr<Engine> engine;  // shutdown() lets go of engine_; this call keeps its own
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!stopping_, "hvdlite backend: ", what, " after the process group was shut down");
+    engine = engine_;
   }
   // Note [Engine behind a process group]: names in call order; a call of several tensors is
   // one group, which the engine runs as one (fused) operation.
   if (args.size() == 1) {
-    args[0].name = engine_->NewName("c10d." + what);
+    args[0].name = engine->NewName("c10d." + what);
   } else {
-    const std::string group = engine_->NewName("c10d." + what);
+    const std::string group = engine->NewName("c10d." + what);
     for (size_t i = 0; i < args.size(); ++i) {
       args[i].group = group;
       args[i].name = group + "." + std::to_string(i);
@@ -210,9 +212,9 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::Submit(c10d::OpType type, const std
   }
   std::vector<c10::Device> devices = DevicesOf(args);
   std::vector<int64_t> handles;
-  Status status = engine_->Enqueue(std::move(args), &handles);
+  Status status = engine->Enqueue(std::move(args), &handles);
   if (!status.ok()) C10_THROW_ERROR(DistBackendError, "hvdlite backend: " + status.message());
-  auto work = c10::make_intrusive<TorchWork>(engine_, rank_, type, what, std::move(handles), std::move(finish),
+  auto work = c10::make_intrusive<TorchWork>(engine, rank_, type, what, std::move(handles), std::move(finish),
                                              std::move(devices));
   {
     std::lock_guard<std::mutex> lock(mu_);
