@@ -19,11 +19,6 @@ import socket
 
 import torch.distributed as dist
 
-from ._runtime import groups as _groups
-from ._runtime import liveness as _liveness
-from ._runtime import settings as _settings
-from ._runtime.native import _core
-
 NAME = "hvdlite"
 
 # Every backend made, shut down at exit (Note [Engine behind a process group]): a script that
@@ -48,6 +43,13 @@ def _is_loopback(addr):
 
 def _create(store, rank, size, timeout):
     """torch.distributed's creator for one process group of the backend "hvdlite"."""
+    # Imported here, not at registration: registering runs inside `import torch` when hvdlite
+    # was imported first, and a missing or broken build must not break that import (the
+    # ImportError that says how to build comes at init_process_group instead).
+    from ._runtime import groups as _groups
+    from ._runtime import liveness as _liveness
+    from ._runtime import settings as _settings
+    from ._runtime.native import _core
     own = {**_settings.own_record(rank), "place_host": socket.gethostname(), "local_rank": -1}
     _liveness.publish(store, "hvdlite/", rank, own)
     peers = _liveness.read(store, "hvdlite/", size)
