@@ -275,9 +275,8 @@ PYBIND11_MODULE(_core, m) {
   // Note [Engine behind a process group] (torch_backend.h): the c10d::Backend over `engine`.
   m.def(
       "torch_backend",
-      [](std::shared_ptr<Engine> engine, double timeout_seconds) -> c10::intrusive_ptr<c10d::Backend> {
-        return c10::make_intrusive<TorchBackend>(
-            std::move(engine), std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+      [](std::shared_ptr<Engine> engine) -> c10::intrusive_ptr<c10d::Backend> {
+        return c10::make_intrusive<TorchBackend>(std::move(engine));
       },
-      py::arg("engine"), py::arg("timeout_seconds"));
+      py::arg("engine"));
 }

@@ -89,8 +89,8 @@ std::vector<at::Tensor> TorchWork::result() {
   return future_->value().toTensorVector();
 }
 
-TorchBackend::TorchBackend(std::shared_ptr<Engine> engine, std::chrono::milliseconds timeout)
-    : c10d::Backend(engine->rank(), engine->size()), engine_(std::move(engine)), timeout_(timeout) {
+TorchBackend::TorchBackend(std::shared_ptr<Engine> engine)
+    : c10d::Backend(engine->rank(), engine->size()), engine_(std::move(engine)) {
   completer_ = std::thread([this] { CompleteLoop(); });
   deliverer_ = std::thread([this] { DeliverLoop(); });
 }
@@ -397,27 +397,16 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::allgather_coalesced(std::vector<std
   // outputs[r][i] receives rank r's input i (the lists are per rank, unlike allgather's).
   TORCH_CHECK(static_cast<int>(outputs.size()) == size_, "hvdlite backend: all_gather_coalesced: ",
               outputs.size(), " output lists for a group of ", size_);
-  std::vector<EnqueueArgs> args;
+  std::vector<std::vector<at::Tensor>> per_input(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     for (int r = 0; r < size_; ++r) {
       TORCH_CHECK(outputs[r].size() == inputs.size() && outputs[r][i].numel() == inputs[i].numel(),
                   "hvdlite backend: all_gather_coalesced: the output list of rank ", r,
                   " does not match the inputs");
+      per_input[i].push_back(outputs[r][i]);
     }
-    args.push_back(Request(CollectiveKind::kAllgather, AsRow(inputs[i]), at::Tensor()));
   }
-  std::vector<std::vector<at::Tensor>> targets = outputs;
-  return Submit(c10d::OpType::ALLGATHER_COALESCED, "all_gather_coalesced", std::move(args),
-                [targets](std::vector<at::Tensor>& out) {
-                  std::vector<at::Tensor> flat;
-                  for (size_t r = 0; r < targets.size(); ++r) {
-                    for (size_t i = 0; i < targets[r].size(); ++i) {
-                      targets[r][i].copy_(out[i][r].view(targets[r][i].sizes()));
-                      flat.push_back(targets[r][i]);
-                    }
-                  }
-                  return flat;
-                });
+  return allgather(per_input, inputs, opts);  // the same tensors, listed per input
 }
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,

@@ -20,7 +20,8 @@
 // inside an earlier callback (perhaps waiting for this very work), to a thread of its own.
 // No lock and no GIL is held while callbacks run. A failed operation completes the future
 // with a DistBackendError that carries the engine's message (the operation, the ranks, what
-// differs or who was lost).
+// differs or who was lost). The process group's timeout is not used: a stalled operation fails
+// by the engine's stall check (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS), a lost peer at once.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -66,7 +67,7 @@ class TorchWork : public c10d::Work {
 
 class TorchBackend : public c10d::Backend {
  public:
-  TorchBackend(std::shared_ptr<Engine> engine, std::chrono::milliseconds timeout);
+  explicit TorchBackend(std::shared_ptr<Engine> engine);
   ~TorchBackend() override;
   const std::string getBackendName() const override { return "hvdlite"; }
   void shutdown() override;
@@ -127,7 +128,6 @@ class TorchBackend : public c10d::Backend {
   void DeliverLoop();
 
   std::shared_ptr<Engine> engine_;
-  std::chrono::milliseconds timeout_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<TorchWork>> pending_;  // under mu_, in submission order

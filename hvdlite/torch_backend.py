@@ -13,7 +13,6 @@ gets the same engine; it is independent of ``hvd.init()``'s engines in the same 
 """
 
 import atexit
-import ipaddress
 import os
 import socket
 
@@ -34,18 +33,12 @@ def _shutdown_at_exit():
         _MADE.pop().shutdown()
 
 
-def _is_loopback(addr):
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def _create(store, rank, size, timeout):
     """torch.distributed's creator for one process group of the backend "hvdlite"."""
     # Imported here, not at registration: registering runs inside `import torch` when hvdlite
     # was imported first, and a missing or broken build must not break that import (the
     # ImportError that says how to build comes at init_process_group instead).
+    from .basics import _is_loopback
     from ._runtime import groups as _groups
     from ._runtime import liveness as _liveness
     from ._runtime import settings as _settings
@@ -61,7 +54,7 @@ def _create(store, rank, size, timeout):
     one_host = len({p["host"] for p in peers}) == 1
     loopback = one_host and _is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     engine, _ = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers)
-    backend = _core.torch_backend(engine, timeout.total_seconds())
+    backend = _core.torch_backend(engine)  # `timeout`: see Note [Engine behind a process group]
     _MADE.append(backend)
     return backend
 
