@@ -71,12 +71,39 @@ bool TorchWork::isCompleted() { return future_->completed(); }
 
 bool TorchWork::isSuccess() const { return future_->completed() && !future_->hasError(); }
 
-bool TorchWork::wait(std::chrono::milliseconds /*timeout*/) {
-  // The engine fails a stalled or lost operation by itself (the stall check, a dead peer),
-  // so the wait needs no timer of its own. A caller blocks here: the engine may spin for it.
+bool TorchWork::wait(std::chrono::milliseconds timeout) {
+  // The engine fails a stalled or lost operation by itself (the stall check, which the
+  // creator sets to the process group's timeout, and a dead peer at once), so a plain wait
+  // needs no timer. A wait with a timeout of its own (work.wait(timeout), monitored_barrier)
+  // gives up after it, as c10d's other backends do; the operation stays with the engine. A
+  // caller blocks here: the engine may spin for it.
   if (!future_->completed()) {
     engine_->AddWaiter();
-    future_->wait();
+    if (timeout.count() <= 0) {  // kNoTimeout or kUnsetTimeout
+      future_->wait();
+    } else {
+      struct Signal {
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+      };
+      auto signal = std::make_shared<Signal>();
+      future_->addCallback([signal](c10::ivalue::Future&) {
+        std::lock_guard<std::mutex> lock(signal->mu);
+        signal->done = true;
+        signal->cv.notify_all();
+      });
+      std::unique_lock<std::mutex> lock(signal->mu);
+      const bool done = signal->cv.wait_for(lock, timeout, [&] { return signal->done; });
+      lock.unlock();
+      if (!done) {
+        engine_->RemoveWaiter();
+        C10_THROW_ERROR(DistBackendError, "hvdlite backend: " + what_ + " did not complete within " +
+                                              std::to_string(timeout.count()) +
+                                              " ms (the wait's timeout); the engine's stall check names the "
+                                              "ranks that have not submitted it");
+      }
+    }
     engine_->RemoveWaiter();
   }
   if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
@@ -506,8 +533,9 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::barrier(const c10d::BarrierOptions&
 }
 
 void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*wait_all_ranks*/) {
-  // The engine names the ranks a barrier waits for when they stall or die.
-  barrier(opts)->wait();
+  // The engine names the ranks a barrier waits for when they stall (at the group's timeout)
+  // or die; the barrier's own timeout bounds the wait.
+  barrier(opts)->wait(opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::send(std::vector<at::Tensor>&, int, int) {

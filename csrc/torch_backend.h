@@ -20,8 +20,10 @@
 // inside an earlier callback (perhaps waiting for this very work), to a thread of its own.
 // No lock and no GIL is held while callbacks run. A failed operation completes the future
 // with a DistBackendError that carries the engine's message (the operation, the ranks, what
-// differs or who was lost). The process group's timeout is not used: a stalled operation fails
-// by the engine's stall check (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS), a lost peer at once.
+// differs or who was lost). The process group's timeout is the group engine's stall shutdown
+// time (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS, rank 0's timeout, unless that variable is set):
+// an operation some rank has not submitted by then fails on every rank naming that rank, as
+// hvdlite's own stalled operations do; a lost peer fails at once, whatever the timeout.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -10,11 +10,19 @@ alike on every rank, rank 0's job-wide settings apply, and ``start_engine`` open
 groups and, when every rank shares the host, the shared-memory channel. So a group created
 under torchrun, hvdliterun, SLURM or mpirun, by env://, tcp://, file:// or a store passed in,
 gets the same engine; it is independent of ``hvd.init()``'s engines in the same process.
+
+torch's ``env://`` reads only torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...). The
+rendezvous ``hvdlite://`` reads whatever launcher started the process, as ``hvd.init()`` does
+(hvdliterun, torchrun, mpirun, SLURM's srun, or none: one process), so one script runs under
+all of them with ``init_process_group("hvdlite", init_method="hvdlite://")``; it works with
+any backend, "gloo" and "nccl" included.
 """
 
 import atexit
 import os
 import socket
+import sys
+import urllib.parse
 
 import torch.distributed as dist
 
@@ -43,7 +51,8 @@ def _create(store, rank, size, timeout):
     from ._runtime import liveness as _liveness
     from ._runtime import settings as _settings
     from ._runtime.native import _core
-    own = {**_settings.own_record(rank), "place_host": socket.gethostname(), "local_rank": -1}
+    own = {**_settings.own_record(rank), "place_host": socket.gethostname(), "local_rank": -1,
+           "timeout_s": timeout.total_seconds()}
     _liveness.publish(store, "hvdlite/", rank, own)
     peers = _liveness.read(store, "hvdlite/", size)
     _settings.check_records(peers)
@@ -51,15 +60,45 @@ def _create(store, rank, size, timeout):
     # the engine does not hold small rounds back for more bytes (Note [Gathering by size]);
     # the same on every rank, so the job-wide digest agrees.
     settings = {**_settings.in_force(peers, rank), "HVDLITE_GATHER_BYTES": "0"}
+    # The group's timeout is its engine's stall shutdown time, rank 0's like every job-wide
+    # setting, unless HVDLITE_STALL_SHUTDOWN_TIME_SECONDS says otherwise.
+    settings.setdefault("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", repr(peers[0]["timeout_s"]))
     one_host = len({p["host"] for p in peers}) == 1
     loopback = one_host and _is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     engine, _ = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers)
-    backend = _core.torch_backend(engine)  # `timeout`: see Note [Engine behind a process group]
+    backend = _core.torch_backend(engine)
     _MADE.append(backend)
     return backend
 
 
+def _rendezvous(url, timeout=None, **kwargs):
+    """torch.distributed's rendezvous handler for ``hvdlite://``: the store, rank and size of
+    whatever launcher started this process (launchers.detect, as hvd.init() reads them)."""
+    from .basics import _store_for
+    from ._job import launchers
+    from .exceptions import LaunchEnvironmentError
+    topology, rendezvous = launchers.detect()
+    # init_process_group(rank=..., world_size=...) arrive in the query; they must agree
+    given = {k: int(v[0]) for k, v in urllib.parse.parse_qs(urllib.parse.urlparse(url).query).items()
+             if k in ("rank", "world_size")}
+    found = {"rank": topology.rank, "world_size": topology.size}
+    for key, value in given.items():
+        if value != found[key]:
+            raise LaunchEnvironmentError(
+                f"init_process_group(init_method='hvdlite://'): {key}={value} was passed, but the "
+                f"launcher's environment ({topology.source}) says {key}={found[key]}")
+    store = dist.HashStore() if topology.size == 1 else _store_for(rendezvous, topology)
+    if timeout is not None:
+        store.set_timeout(timeout)
+    yield store, topology.rank, topology.size
+    raise RuntimeError("the hvdlite:// rendezvous runs once per init_process_group")
+
+
 def register():
-    """Registers the backend with torch.distributed (once; hvdlite's import calls it)."""
+    """Registers the backend and the ``hvdlite://`` rendezvous with torch.distributed (once;
+    hvdlite's import calls it)."""
     if NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(NAME, _create, devices=["cpu", "cuda"])
+    handlers = sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers  # the name is a function
+    if NAME not in handlers:
+        dist.register_rendezvous_handler(NAME, _rendezvous)

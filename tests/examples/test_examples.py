@@ -14,19 +14,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LAUNCH = [sys.executable, "-m", "hvdlite.runner.launch"]
 
 
-def run_example(script, *args, np=1, timeout=90):
+def run_example(script, *args, np=1, timeout=90, launcher=None):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HVDLITE_", "OMPI_", "PMI_", "SLURM_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, os.path.join("examples", script), *map(str, args)]
-    if np > 1:
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(np),
+                   "--master-port", str(_free_port()), *command[1:]]
+    elif np > 1:
         command = LAUNCH + ["-np", str(np)] + command
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, f"{' '.join(command)} exited with {done.returncode}:\n" \
                                  f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def number(pattern, text):
@@ -91,5 +101,12 @@ def test_ddp_example_trains_over_hvdlite():
     # inherit torch's own Gloo teardown, which aborts about one exit in eight on this machine
     # with or without hvdlite imported.
     ours = run_example("ddp_backend.py", np=2)
+    assert "over hvdlite" in ours
+    assert number(r"test accuracy: ([\d.]+)%", ours) >= 90.0, ours[-500:]
+
+
+def test_ddp_example_trains_over_hvdlite_under_torchrun():
+    # the same script started by torchrun: env:// with torchrun's own store and variables
+    ours = run_example("ddp_backend.py", np=2, launcher="torchrun")
     assert "over hvdlite" in ours
     assert number(r"test accuracy: ([\d.]+)%", ours) >= 90.0, ours[-500:]

@@ -18,11 +18,11 @@ def _data(rank, shape=(3, 4), dtype=torch.float32):
     return (torch.arange(int(torch.tensor(shape).prod())).reshape(shape) + 10 * rank + 1).to(dtype)
 
 
-def _init(how):
+def _init(how, seconds=60):
     rank, size = int(os.environ["HVDLITE_RANK"]), int(os.environ["HVDLITE_SIZE"])
     for name in ("HVDLITE_RANK", "HVDLITE_SIZE"):  # a plain torch.distributed job: no hvdliterun
         os.environ.pop(name)
-    timeout = datetime.timedelta(seconds=60)
+    timeout = datetime.timedelta(seconds=seconds)
     if how == "store":
         store = dist.TCPStore("127.0.0.1", int(os.environ["HVDLITE_RENDEZVOUS_PORT"]), size, is_master=False,
                               timeout=timeout)
@@ -108,6 +108,8 @@ def _every_collective(how):
     assert all(torch.equal(outs[r], torch.full((r + 1,), float(r * 10 + rank))) for r in ranks)
     # barrier, monitored_barrier
     dist.barrier()
+    # torch's monitored_barrier() admits only "gloo" by name; the group's own method is there
+    dist.distributed_c10d._get_default_group().monitored_barrier(datetime.timedelta(seconds=30))
     # point-to-point: a clear error naming the op
     with pytest.raises(NotImplementedError, match="hvdlite backend: send is not supported"):
         dist.send(torch.ones(1), dst=(rank + 1) % size)
@@ -117,6 +119,14 @@ def _every_collective(how):
         t = _data(rank)
         dist.all_reduce(t, group=evens)
         assert torch.equal(t, sum(_data(r) for r in ranks if r % 2 == 0))
+    # new_subgroups: each rank's subgroup is a group of the default backend, with its own engine
+    mine, _ = (dist.new_subgroups(group_size=1) if size == 2 else
+               dist.new_subgroups_by_enumeration([[0, 2], [1]]))
+    members = [rank] if size == 2 else ([0, 2] if rank != 1 else [1])
+    assert dist.get_backend(mine) == "hvdlite"
+    t = _data(rank)
+    dist.all_reduce(t, group=mine)
+    assert torch.equal(t, sum(_data(r) for r in members)), (rank, members, t)
     if beside:
         assert torch.equal(hvd.allreduce(_data(rank), op=hvd.Sum), sum(_data(r) for r in ranks))
         t = _data(rank)
@@ -154,6 +164,94 @@ def _shape_mismatch():
 def test_a_shape_mismatch_raises_on_every_rank_naming_both_shapes():
     for message in Job(2, __name__, "_shape_mismatch").wait(timeout=60):
         assert "shape mismatch" in message and "[2]" in message and "[3]" in message, message
+
+
+def _through_hvdlite_url(launcher, backend):
+    if launcher != "hvdliterun":  # another launcher's variables only (given by the test)
+        for key in [k for k in os.environ if k.startswith("HVDLITE_")]:
+            del os.environ[key]
+    dist.init_process_group(backend, init_method="hvdlite://")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = _data(rank)
+    dist.all_reduce(t)
+    ok = torch.equal(t, sum(_data(r) for r in range(size)))
+    dist.destroy_process_group()
+    return rank, size, ok
+
+
+def _launcher_env(launcher, size, port):
+    if launcher == "mpirun":
+        return lambda r: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": str(size),
+                          "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": str(size),
+                          "MASTER_PORT": str(port)}
+    if launcher == "slurm":
+        return lambda r: {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(size), "SLURM_LOCALID": str(r),
+                          "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": str(size),
+                          "SLURM_NODELIST": "localhost", "MASTER_PORT": str(port)}
+    if launcher == "torchrun":
+        return lambda r: {"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r),
+                          "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return lambda r: {}
+
+
+@pytest.mark.parametrize("launcher,backend", [("hvdliterun", "hvdlite"), ("mpirun", "hvdlite"),
+                                              ("slurm", "hvdlite"), ("torchrun", "hvdlite"),
+                                              ("mpirun", "gloo")])
+def test_the_hvdlite_rendezvous_reads_every_launchers_environment(launcher, backend):
+    # init_method="hvdlite://" finds rank, size and store as hvd.init() does, where env:// knows
+    # torchrun's variables only (these are the variables each launcher sets; the launchers
+    # themselves are run with hvd.init() in tests/launcher, tests/slurm and tests/multirank)
+    env = _launcher_env(launcher, 3, _free_port())
+    job = Job(3, __name__, "_through_hvdlite_url", launcher, backend,
+              rank_env_extra={r: env(r) for r in range(3)})
+    assert job.wait(timeout=90) == [(r, 3, True) for r in range(3)]
+
+
+def _group_timeout():
+    import time
+    rank, size = _init("store", seconds=3)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    out = {}
+    # the group's timeout: rank 1 is late by more than it. rank 0's all_reduce fails naming
+    # rank 1, and rank 1's, when it comes, fails naming rank 0, which has given up on it
+    if rank == 1:
+        time.sleep(5)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(t)
+        out["late"] = ("no error", 0.0)
+    except dist.DistBackendError as exc:
+        out["late"] = (str(exc), time.monotonic() - started)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"timed out {rank}", "1")
+    store.wait([f"timed out {r}" for r in range(size)], datetime.timedelta(seconds=30))
+    # the group goes on; then a wait's own timeout, shorter than the group's
+    dist.barrier()
+    t = torch.full((4,), float(rank + 1))
+    if rank == 1:
+        time.sleep(1.5)
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        try:
+            work.wait(timeout=datetime.timedelta(milliseconds=300))
+            out["short wait"] = "no error"
+        except dist.DistBackendError as exc:
+            out["short wait"] = str(exc)
+    work.wait()  # and the operation itself still completes
+    out["value"] = t.tolist()
+    dist.destroy_process_group()
+    return out
+
+
+def test_the_process_group_timeout_fails_a_late_rank_and_a_wait_honours_its_own():
+    results = Job(2, __name__, "_group_timeout").wait(timeout=60)
+    for rank, other in ((0, 1), (1, 0)):
+        message, seconds = results[rank]["late"]
+        assert f"missing rank {other}" in message and "allreduce" in message, (rank, message)
+        assert 2.5 < seconds < 5, (rank, seconds)  # the 3 s timeout, give or take a stall-check round
+    assert "did not complete within 300 ms" in results[0]["short wait"], results[0]
+    assert all(r["value"] == [3.0] * 4 for r in results), results
 
 
 # ---- DDP, its comm hooks and ZeRO over the backend ---------------------------------------------
