@@ -110,3 +110,13 @@ def test_ddp_example_trains_over_hvdlite_under_torchrun():
     ours = run_example("ddp_backend.py", np=2, launcher="torchrun")
     assert "over hvdlite" in ours
     assert number(r"test accuracy: ([\d.]+)%", ours) >= 90.0, ours[-500:]
+
+
+def test_lightning_digits_two_ranks_reach_one_process_accuracy_within_a_point():
+    import pytest
+    pytest.importorskip("lightning", reason="lightning is not installed (pip install hvdlite[lightning])")
+    alone = number(r"test accuracy: ([\d.]+)%", run_example("lightning_digits.py", timeout=120))
+    pair = run_example("lightning_digits.py", np=2, timeout=120)
+    assert "on 2 rank(s)" in pair
+    assert abs(number(r"test accuracy: ([\d.]+)%", pair) - alone) <= 1.0, (alone, pair[-500:])
+    assert alone > 90.0

@@ -51,3 +51,21 @@ srun {sys.executable} {JOB} {tmp_path} srun
     assert done.returncode == 0, done.stdout + done.stderr + output + slurm.logs()
     _check(tmp_path, "srun", "slurm")
     _check(tmp_path, "hvdliterun", "hvdliterun")  # two ranks: the allocation's two task slots
+
+
+def test_srun_runs_a_lightning_fit_on_the_hvdlite_strategy(slurm, tmp_path):
+    # hvdlite.lightning's strategy reads SLURM's variables through hvd.init() (no MASTER_*);
+    # Lightning itself refuses `srun -n` and asks for --ntasks-per-node
+    import pytest
+    pytest.importorskip("lightning", reason="lightning is not installed (pip install hvdlite[lightning])")
+    from tests.lightning.fit_job import reference_fit
+    job = os.path.join(REPO, "tests", "lightning", "fit_job.py")
+    done = slurm.run(["srun", "--ntasks-per-node=2", "-N", "1", "--time=3", sys.executable, job, str(tmp_path), "srun", "hvdlite"],
+                     env=_env(), cwd=str(tmp_path), timeout=200)
+    assert done.returncode == 0, done.stdout + done.stderr + slurm.logs()
+    expected = reference_fit(2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"srun.rank{rank}.pt")
+        assert (got["rank"], got["size"]) == (rank, 2), got
+        for a, b in zip(got["params"], expected):
+            assert torch.allclose(a, b, atol=1e-6), (rank, (a - b).abs().max())

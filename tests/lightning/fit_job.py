@@ -1,0 +1,151 @@
+"""One Lightning fit, started by a launcher (hvdliterun, torchrun, srun) or alone, writing each
+rank's final parameters to OUT/<tag>.rank<r>.pt. The tests compare them with reference_fit(),
+one process on the combined batch.
+
+    python tests/lightning/fit_job.py OUT TAG STRATEGY [--optimizer sgd|adam] [--accumulate N]
+                                                       [--clip NORM] [--devices N]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+import hvdlite  # noqa: E402,F401  (registers the torch.distributed backend)
+import lightning.pytorch as pl  # noqa: E402
+
+SAMPLES, PER_RANK, FEATURES = 64, 8, 6
+
+
+def dataset():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    y = x @ torch.randn(FEATURES, 1, generator=g) + 0.1 * torch.randn(SAMPLES, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def optimizer(name, params):
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, optimizer_name, fail_rank=-1):
+        super().__init__()
+        self.net = model()
+        self.optimizer_name = optimizer_name
+        self.fail_rank = fail_rank
+        self.seen = {}
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.fail_rank and batch_idx == 2:
+            raise ValueError(f"training_step failed on purpose on rank {self.global_rank}")
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        self.log("rank_mean", float(self.global_rank), sync_dist=True)  # the mean over ranks
+        return loss
+
+    def on_train_end(self):
+        # the strategy's collectives, as a LightningModule calls them
+        rank = self.global_rank
+        mine = torch.tensor([rank + 1.0, 10.0 * rank])
+        s = self.trainer.strategy
+        self.seen = {
+            "all_gather": self.all_gather(mine).tolist(),
+            "sum": s.reduce(mine.clone(), reduce_op="sum").tolist(),
+            "mean": s.reduce(mine.clone(), reduce_op="mean").tolist(),
+            "max": s.reduce(mine.clone(), reduce_op="max").tolist(),
+            "min": s.reduce(mine.clone(), reduce_op="min").tolist(),
+            "broadcast": s.broadcast({"from": rank}, src=1),
+        }
+        x = torch.full((2,), float(rank + 1), requires_grad=True)
+        gathered = self.all_gather(x * x, sync_grads=True)  # d/dx of sum over every rank's x*x
+        gathered.sum().backward()
+        self.seen["grad"] = x.grad.tolist()
+        s.barrier()
+
+    def configure_optimizers(self):
+        return optimizer(self.optimizer_name, self.parameters())
+
+
+def reference_fit(size, optimizer_name="sgd", accumulate=1, clip=None, epochs=2):
+    """One process on the combined batch of `size` ranks: step k takes every rank's k-th batch
+    of the order Lightning's DistributedSampler gives the training data (shuffled with seed 0,
+    reseeded each epoch)."""
+    net = model()
+    opt = optimizer(optimizer_name, net.parameters())
+    x, y = dataset().tensors
+    for epoch in range(epochs):
+        orders = []
+        for r in range(size):
+            sampler = torch.utils.data.DistributedSampler(range(SAMPLES), size, r, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        opt.zero_grad()
+        for step in range(SAMPLES // (PER_RANK * size)):
+            losses = []
+            for order in orders:
+                batch = order[step * PER_RANK:(step + 1) * PER_RANK]
+                losses.append(torch.nn.functional.mse_loss(net(x[batch]), y[batch]))
+            (sum(losses) / size / accumulate).backward()
+            if (step + 1) % accumulate == 0:
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+    return [p.detach() for p in net.parameters()]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("tag")
+    parser.add_argument("strategy")
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--devices", default=None, help="the Trainer's devices (DDPStrategy: per host)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--save", default=None, help="trainer.save_checkpoint() to this path at the end")
+    parser.add_argument("--resume", default=None, help="fit from this checkpoint")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.strategy == "ddp-hvdlite":
+        from lightning.pytorch.strategies import DDPStrategy
+        strategy = DDPStrategy(process_group_backend="hvdlite")
+    else:
+        import hvdlite.lightning  # noqa: F401  (registers the strategy "hvdlite")
+        strategy = args.strategy
+    devices = int(args.devices) if args.devices else ("auto" if strategy == "hvdlite" else 2)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=args.epochs,
+                         precision=args.precision,
+                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
+                         enable_progress_bar=False, enable_model_summary=False, logger=False,
+                         enable_checkpointing=False)
+    module = Regression(args.optimizer, args.fail_rank)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=PER_RANK, shuffle=False)
+    trainer.fit(module, loader, ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    written = os.path.exists(args.save) if args.save else None
+    torch.save({"params": [p.detach() for p in module.net.parameters()],
+                "loss": trainer.callback_metrics["train_loss"].item(), "rank": trainer.global_rank,
+                "size": trainer.world_size, "rank_mean": trainer.callback_metrics["rank_mean"].item(),
+                "seen": module.seen, "written": written},
+               os.path.join(args.out, f"{args.tag}.rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
