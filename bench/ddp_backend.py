@@ -11,7 +11,9 @@ data. First every rank checks that the two replicas' parameters agree exactly af
 steps; then the two, and the same step in one process without communication (the floor no
 backend can beat), are timed interleaved round by round (one round = --steps-per-round steps
 of each), and the table shows the medians per step and the ratio to DDP over Gloo (target:
-<= 0.80). Last, one 64 MB float32 allreduce: dist.all_reduce on the hvdlite group (in place,
+<= 0.80). Then the same for FSDP2 (fully_shard on each layer and the model, over a device
+mesh of the hvdlite group and one of the Gloo group; target <= 0.80). Last, one 64 MB float32
+allreduce: dist.all_reduce on the hvdlite group (in place,
 no copy), hvd.allreduce_ (target: within 1.1x of it) and dist.all_reduce on the Gloo group.
 """
 
@@ -41,6 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--fsdp-models", default="mlp", help="models for the FSDP2 comparison ('' for none)")
     parser.add_argument("--allreduce-mb", type=float, default=64.0)
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
@@ -54,6 +57,45 @@ def data(name, batch, rank):
             torch.randint(0, 10, (batch,), generator=gen), F.cross_entropy)
 
 
+FSDP_GLOO = "FSDP2 over Gloo"
+FSDP_OURS = "FSDP2 over hvdlite"
+
+
+def fsdp_step(name, args, rank, gloo):
+    """FSDP2 over each backend, same weights and data: checked equal, then timed interleaved."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    build, x, y, loss_fn = data(name, args.batch_size, rank)
+    torch.manual_seed(0)
+    base = build()
+    replicas = {}
+    for method, group in ((FSDP_GLOO, gloo), (FSDP_OURS, dist.group.WORLD)):
+        mesh = DeviceMesh.from_group(group, "cpu")
+        model = copy.deepcopy(base)
+        for layer in model.modules():
+            if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        replicas[method] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+
+    def step(method, n=1):
+        model, opt = replicas[method]
+        for _ in range(n):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+    for method in replicas:
+        step(method, 2)
+    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(replicas[FSDP_GLOO][0].parameters(),
+                                                                      replicas[FSDP_OURS][0].parameters()))
+    if not same:
+        raise SystemExit(f"rank {rank}: FSDP2 over hvdlite and over Gloo disagree on {name}")
+    times = _common.interleaved({m: (lambda m=m: step(m, args.steps_per_round)) for m in replicas}, args.rounds)
+    times = {m: [t / args.steps_per_round for t in v] for m, v in times.items()}
+    _common.report(f"FSDP2 training step, {name}", times, FSDP_GLOO, {FSDP_OURS: 0.80}, args.json)
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -61,7 +103,7 @@ def main(argv=None):
     dist.init_process_group("hvdlite", rank=hvd.rank(), world_size=hvd.size())
     gloo = dist.new_group(backend="gloo")
     rank = hvd.rank()
-    for name in args.models.split(","):
+    for name in filter(None, args.models.split(",")):
         build, x, y, loss_fn = data(name, args.batch_size, rank)
         torch.manual_seed(0)
         base = build()
@@ -89,6 +131,9 @@ def main(argv=None):
                                     args.rounds)
         times = {m: [t / args.steps_per_round for t in v] for m, v in times.items()}
         _common.report(f"DDP training step, {name}", times, GLOO, TARGETS, args.json)
+
+    for name in filter(None, args.fsdp_models.split(",")):
+        fsdp_step(name, args, rank, gloo)
 
     numel = int(args.allreduce_mb * (1 << 20) / 4)
     tensors = {m: torch.ones(numel) for m in ("dist.all_reduce (hvdlite)", "hvd.allreduce_", "dist.all_reduce (gloo)")}

@@ -71,8 +71,14 @@ void Executor::Allgather(Local& local, CollectiveBackend* backend) {
   // Even sizes: gather straight into the output. Uneven: Gloo needs equal sizes, so every rank
   // sends a slot of the largest size and the rows that matter are copied out afterwards.
   at::Tensor receive = even ? flat_output : at::empty({slot * size_}, input.options());
-  at::Tensor send = at::empty({slot}, input.options());
-  send.narrow(0, 0, input.numel()).view(input.sizes()).copy_(input);
+  // A contiguous input of the common size is sent as it is; otherwise it is padded to a slot.
+  at::Tensor send;
+  if (even && input.is_contiguous()) {
+    send = input.view({-1});
+  } else {
+    send = at::empty({slot}, input.options());
+    send.narrow(0, 0, input.numel()).view(input.sizes()).copy_(input);
+  }
   std::vector<at::Tensor> slots;
   for (int r = 0; r < size_; ++r) slots.push_back(receive.narrow(0, r * slot, slot));
   CollectiveStarts();
