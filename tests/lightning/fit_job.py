@@ -39,11 +39,12 @@ def optimizer(name, params):
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, optimizer_name, fail_rank=-1):
+    def __init__(self, optimizer_name, fail_rank=-1, scheduler=False):
         super().__init__()
         self.net = model()
         self.optimizer_name = optimizer_name
         self.fail_rank = fail_rank
+        self.scheduler = scheduler
         self.seen = {}
 
     def training_step(self, batch, batch_idx):
@@ -54,6 +55,13 @@ class Regression(pl.LightningModule):
         self.log("train_loss", loss, sync_dist=True)
         self.log("rank_mean", float(self.global_rank), sync_dist=True)  # the mean over ranks
         return loss
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def predict_step(self, batch, _):
+        return self.net(batch[0])
 
     def on_train_end(self):
         # the strategy's collectives, as a LightningModule calls them
@@ -75,35 +83,99 @@ class Regression(pl.LightningModule):
         s.barrier()
 
     def configure_optimizers(self):
-        return optimizer(self.optimizer_name, self.parameters())
+        opt = optimizer(self.optimizer_name, self.parameters())
+        if not self.scheduler:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+                                                   "interval": "step"}}
 
 
-def reference_fit(size, optimizer_name="sgd", accumulate=1, clip=None, epochs=2):
-    """One process on the combined batch of `size` ranks: step k takes every rank's k-th batch
-    of the order Lightning's DistributedSampler gives the training data (shuffled with seed 0,
-    reseeded each epoch)."""
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers (SGD for one network, Adam for the other)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = model()
+        torch.manual_seed(1)
+        self.other = torch.nn.Linear(FEATURES, 1)
+        self.seen = {}
+
+    def training_step(self, batch, _):
+        x, y = batch
+        first, second = self.optimizers()
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        first.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        other = torch.nn.functional.mse_loss(self.other(x), y)
+        second.zero_grad()
+        self.manual_backward(other)
+        second.step()
+        self.log("train_loss", loss, sync_dist=True)
+        self.log("rank_mean", float(self.global_rank), sync_dist=True)
+
+    def configure_optimizers(self):
+        return optimizer("sgd", self.net.parameters()), optimizer("adam", self.other.parameters())
+
+
+def _orders(size, epoch):
+    orders = []
+    for r in range(size):
+        sampler = torch.utils.data.DistributedSampler(range(SAMPLES), size, r, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return orders
+
+
+def reference_manual(size, epochs=2):
+    """TwoOptimizers in one process on the combined batch: both networks' parameters."""
     net = model()
-    opt = optimizer(optimizer_name, net.parameters())
+    torch.manual_seed(1)
+    other = torch.nn.Linear(FEATURES, 1)
+    first, second = optimizer("sgd", net.parameters()), optimizer("adam", other.parameters())
     x, y = dataset().tensors
     for epoch in range(epochs):
-        orders = []
-        for r in range(size):
-            sampler = torch.utils.data.DistributedSampler(range(SAMPLES), size, r, shuffle=True, seed=0)
-            sampler.set_epoch(epoch)
-            orders.append(list(sampler))
-        opt.zero_grad()
+        orders = _orders(size, epoch)
         for step in range(SAMPLES // (PER_RANK * size)):
-            losses = []
-            for order in orders:
-                batch = order[step * PER_RANK:(step + 1) * PER_RANK]
-                losses.append(torch.nn.functional.mse_loss(net(x[batch]), y[batch]))
-            (sum(losses) / size / accumulate).backward()
-            if (step + 1) % accumulate == 0:
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-                opt.step()
+            batches = [order[step * PER_RANK:(step + 1) * PER_RANK] for order in orders]
+            for module, opt in ((net, first), (other, second)):
                 opt.zero_grad()
+                (sum(torch.nn.functional.mse_loss(module(x[b]), y[b]) for b in batches) / size).backward()
+                opt.step()
+    return [p.detach() for p in net.parameters()] + [p.detach() for p in other.parameters()]
+
+
+def one_process(steps, optimizer_name="sgd", accumulate=1, clip=None, scheduler=False):
+    """One process taking, at each step, the mean loss of the ranks' batches (`steps`: for each
+    step, every rank's sample indices), accumulating, clipping and scheduling as told."""
+    net = model()
+    opt = optimizer(optimizer_name, net.parameters())
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if scheduler else None
+    x, y = dataset().tensors
+    for step, batches in enumerate(steps):
+        losses = [torch.nn.functional.mse_loss(net(x[b]), y[b]) for b in batches]
+        (sum(losses) / len(batches) / accumulate).backward()
+        if (step + 1) % accumulate == 0:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            if schedule is not None:
+                schedule.step()
     return [p.detach() for p in net.parameters()]
+
+
+def reference_fit(size, epochs=2, **options):
+    """One process on the combined batch of `size` ranks: step k takes every rank's k-th batch
+    of the order Lightning's DistributedSampler gives the training data (shuffled with seed 0,
+    reseeded each epoch). The steps per epoch are a multiple of any accumulation tested."""
+    steps = []
+    for epoch in range(epochs):
+        orders = _orders(size, epoch)
+        steps += [[order[k * PER_RANK:(k + 1) * PER_RANK] for order in orders]
+                  for k in range(SAMPLES // (PER_RANK * size))]
+    return one_process(steps, **options)
 
 
 def main():
@@ -120,6 +192,10 @@ def main():
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--save", default=None, help="trainer.save_checkpoint() to this path at the end")
     parser.add_argument("--resume", default=None, help="fit from this checkpoint")
+    parser.add_argument("--manual", action="store_true", help="TwoOptimizers, manual optimization")
+    parser.add_argument("--scheduler", action="store_true", help="StepLR(2, 0.5) every step")
+    parser.add_argument("--stages", action="store_true", help="validate() and predict() after fit()")
+    parser.add_argument("--fast-dev-run", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.strategy == "ddp-hvdlite":
@@ -133,17 +209,23 @@ def main():
                          precision=args.precision,
                          accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
                          enable_progress_bar=False, enable_model_summary=False, logger=False,
-                         enable_checkpointing=False)
-    module = Regression(args.optimizer, args.fail_rank)
+                         enable_checkpointing=False, fast_dev_run=args.fast_dev_run)
+    module = TwoOptimizers() if args.manual else Regression(args.optimizer, args.fail_rank, args.scheduler)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=PER_RANK, shuffle=False)
     trainer.fit(module, loader, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
     written = os.path.exists(args.save) if args.save else None
-    torch.save({"params": [p.detach() for p in module.net.parameters()],
-                "loss": trainer.callback_metrics["train_loss"].item(), "rank": trainer.global_rank,
-                "size": trainer.world_size, "rank_mean": trainer.callback_metrics["rank_mean"].item(),
-                "seen": module.seen, "written": written},
+    fitted = {k: trainer.callback_metrics[k].item() for k in ("train_loss", "rank_mean")}
+    stages = {}
+    if args.stages:
+        eval_loader = torch.utils.data.DataLoader(dataset(), batch_size=PER_RANK, shuffle=False)
+        stages["val_loss"] = trainer.validate(module, eval_loader, verbose=False)[0]["val_loss"]
+        stages["predicted"] = torch.cat(trainer.predict(module, eval_loader))
+    torch.save({"params": [p.detach() for p in module.parameters()],
+                "loss": fitted["train_loss"], "rank": trainer.global_rank,
+                "size": trainer.world_size, "rank_mean": fitted["rank_mean"],
+                "seen": module.seen, "written": written, "stages": stages},
                os.path.join(args.out, f"{args.tag}.rank{trainer.global_rank}.pt"))
 
 

@@ -34,12 +34,22 @@ def _assert_params(got, expected, atol=1e-6):
     (("--optimizer", "adam"), {"optimizer_name": "adam"}),
     (("--accumulate", "2"), {"accumulate": 2}),
     (("--clip", "0.05"), {"clip": 0.05}),
-], ids=["sgd", "adam", "accumulate", "clip"])
+    (("--scheduler",), {"scheduler": True}),
+], ids=["sgd", "adam", "accumulate", "clip", "lr_scheduler"])
 def test_a_fit_equals_one_process_on_the_combined_batch(tmp_path, options, reference):
     launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "fit", "hvdlite", *options], tmp_path)
     expected = reference_fit(2, **reference)
     for r, got in enumerate(results(tmp_path, "fit", 2)):
         assert (got["rank"], got["size"]) == (r, 2)
+        _assert_params(got, expected)
+
+
+def test_manual_optimization_with_two_optimizers_equals_one_process(tmp_path):
+    from tests.lightning.fit_job import reference_manual
+    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "manual", "hvdlite", "--manual"], tmp_path)
+    expected = reference_manual(2)
+    for got in results(tmp_path, "manual", 2):
+        assert len(got["params"]) == len(expected) == 6
         _assert_params(got, expected)
 
 
@@ -98,3 +108,48 @@ def test_the_strategy_under_torchrun(tmp_path):
     for r, got in enumerate(results(tmp_path, "torchrun", 2)):
         assert (got["rank"], got["size"]) == (r, 2)
         _assert_params(got, expected)
+
+
+FABRIC_JOB = os.path.join(os.path.dirname(JOB), "fabric_job.py")
+
+
+@pytest.mark.parametrize("options,reference", [((), {}), (("--accumulate", "2"), {"accumulate": 2}),
+                                               (("--clip", "0.05"), {"clip": 0.05})],
+                         ids=["plain", "no_backward_sync", "clip_gradients"])
+def test_a_fabric_loop_equals_one_process_on_the_combined_batch(tmp_path, options, reference):
+    from tests.lightning.fabric_job import reference as fabric_reference
+    launch(HVDLITERUN + [sys.executable, FABRIC_JOB, str(tmp_path), "fabric", *options], tmp_path)
+    expected = fabric_reference(2, **reference)
+    for r, got in enumerate(results(tmp_path, "fabric", 2)):
+        assert (got["rank"], got["size"], got["mean"]) == (r, 2, 0.5)
+        _assert_params(got, expected)
+
+
+def test_the_references_of_the_cases_differ():
+    # clipping, accumulation and the scheduler change the references, so the tests above see
+    # each of them work
+    from tests.lightning.fabric_job import reference as fabric_reference
+    for plain, other in ((reference_fit(2), reference_fit(2, clip=0.05)),
+                         (reference_fit(2), reference_fit(2, accumulate=2)),
+                         (reference_fit(2), reference_fit(2, scheduler=True)),
+                         (fabric_reference(2), fabric_reference(2, clip=0.05)),
+                         (fabric_reference(2), fabric_reference(2, accumulate=2))):
+        assert max((a - b).abs().max().item() for a, b in zip(plain, other)) > 1e-3
+
+
+def test_validate_and_predict_after_fit_and_fast_dev_run(tmp_path):
+    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "stages", "hvdlite", "--stages"], tmp_path)
+    from tests.lightning.fit_job import dataset, model
+    net = model()
+    x, y = dataset().tensors
+    runs = results(tmp_path, "stages", 2)
+    for r, got in enumerate(runs):
+        for p, trained in zip(net.parameters(), got["params"]):
+            p.data.copy_(trained)
+        with torch.no_grad():
+            # each rank validates its half (every other sample); sync_dist averages the halves
+            expected = sum(torch.nn.functional.mse_loss(net(x[k::2]), y[k::2]) for k in range(2)) / 2
+            assert abs(got["stages"]["val_loss"] - expected.item()) < 1e-6, (r, got["stages"]["val_loss"])
+            assert torch.allclose(got["stages"]["predicted"], net(x[r::2]), atol=1e-6)  # its own half
+    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "dev", "hvdlite", "--fast-dev-run"], tmp_path)
+    assert [got["rank"] for got in results(tmp_path, "dev", 2)] == [0, 1]
