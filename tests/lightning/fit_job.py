@@ -146,16 +146,17 @@ def reference_manual(size, epochs=2):
     return [p.detach() for p in net.parameters()] + [p.detach() for p in other.parameters()]
 
 
-def one_process(steps, optimizer_name="sgd", accumulate=1, clip=None, scheduler=False):
+def one_process(steps, optimizer_name="sgd", accumulate=1, clip=None, scheduler=False, scale=1.0):
     """One process taking, at each step, the mean loss of the ranks' batches (`steps`: for each
-    step, every rank's sample indices), accumulating, clipping and scheduling as told."""
+    step, every rank's sample indices) times `scale`, accumulating, clipping and scheduling as
+    told."""
     net = model()
     opt = optimizer(optimizer_name, net.parameters())
     schedule = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if scheduler else None
     x, y = dataset().tensors
     for step, batches in enumerate(steps):
         losses = [torch.nn.functional.mse_loss(net(x[b]), y[b]) for b in batches]
-        (sum(losses) / len(batches) / accumulate).backward()
+        (scale * sum(losses) / len(batches) / accumulate).backward()
         if (step + 1) % accumulate == 0:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
@@ -196,14 +197,20 @@ def main():
     parser.add_argument("--scheduler", action="store_true", help="StepLR(2, 0.5) every step")
     parser.add_argument("--stages", action="store_true", help="validate() and predict() after fit()")
     parser.add_argument("--fast-dev-run", action="store_true")
+    parser.add_argument("--option", default=None, help="fp16 | predivide | sum: a strategy option")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.strategy == "ddp-hvdlite":
         from lightning.pytorch.strategies import DDPStrategy
         strategy = DDPStrategy(process_group_backend="hvdlite")
     else:
-        import hvdlite.lightning  # noqa: F401  (registers the strategy "hvdlite")
+        import hvdlite.lightning  # registers the strategy "hvdlite"
         strategy = args.strategy
+        if args.option:
+            options = {"fp16": {"compression": hvdlite.Compression.fp16},
+                       "predivide": {"gradient_predivide_factor": 2.0},
+                       "sum": {"op": hvdlite.Sum}}[args.option]
+            strategy = hvdlite.lightning.HvdliteStrategy(**options)
     devices = int(args.devices) if args.devices else ("auto" if strategy == "hvdlite" else 2)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=args.epochs,
                          precision=args.precision,

@@ -44,6 +44,28 @@ def test_a_fit_equals_one_process_on_the_combined_batch(tmp_path, options, refer
         _assert_params(got, expected)
 
 
+@pytest.mark.parametrize("option,atol", [("fp16", 1e-3), ("predivide", 1e-6)])
+def test_the_strategys_options_reach_the_distributed_optimizer(tmp_path, option, atol):
+    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), option, "hvdlite", "--option", option], tmp_path)
+    expected = reference_fit(2)
+    runs = results(tmp_path, option, 2)
+    for got in runs:
+        _assert_params(got, expected, atol=atol)
+    if option == "fp16":  # the gradients went over the wire as float16: not bitwise the reference
+        assert any(not torch.equal(a, b) for a, b in zip(runs[0]["params"], expected))
+
+
+def test_op_sum_sums_the_gradients(tmp_path):
+    # HvdliteStrategy(op=hvd.Sum): with 2 ranks, the step of one process on twice the loss
+    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "sum", "hvdlite", "--option", "sum"], tmp_path)
+    from tests.lightning.fit_job import _orders, PER_RANK, SAMPLES, one_process
+    steps = [[order[k * PER_RANK:(k + 1) * PER_RANK] for order in _orders(2, epoch)]
+             for epoch in range(2) for k in range(SAMPLES // (PER_RANK * 2))]
+    expected = one_process(steps, scale=2.0)  # the sum of the two ranks' mean losses
+    for got in results(tmp_path, "sum", 2):
+        _assert_params(got, expected, atol=1e-5)
+
+
 def test_manual_optimization_with_two_optimizers_equals_one_process(tmp_path):
     from tests.lightning.fit_job import reference_manual
     launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "manual", "hvdlite", "--manual"], tmp_path)
