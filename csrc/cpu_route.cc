@@ -57,6 +57,12 @@ class SharedMemoryRoute : public CpuRoute {
     shm_->Allreduce(flat, op, nullptr, finish);  // finished inside, as above
   }
 
+  bool MovesData() const override { return true; }
+  void Allgather(const at::Tensor& input, std::vector<at::Tensor>& outputs) override {
+    shm_->Allgather(input, outputs);
+  }
+  void Broadcast(at::Tensor& tensor, int root) override { shm_->Broadcast(tensor, root); }
+
  private:
   ShmChannel* shm_;
 };

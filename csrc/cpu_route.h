@@ -12,8 +12,9 @@
 //      channels] below).
 // Its inputs are agreed at init() (Python opens the channel on every rank or on none), so
 // every rank takes the same route for the engine's life. The executor calls the route and
-// never asks which one it holds; collectives that only move data go through Gloo whatever
-// the route.
+// never asks which one it holds. Of the collectives that only move data, the shared-memory
+// route carries allgather and broadcast (Note [Shared-memory allgather and broadcast] in
+// shm_channel.h); every other route, and alltoall on every route, leaves them to Gloo.
 //
 // Note [Hierarchical allreduce]
 // HVDLITE_HIERARCHICAL_ALLREDUCE=1, in a job whose ranks span several hosts: each host's ranks
@@ -64,6 +65,11 @@ class CpuRoute {
   // as soon as that part is reduced (the others may still be in flight), so averaging and
   // postscaling overlap the rest of the collective.
   virtual void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) = 0;
+  // Data movement (Note [CPU routes]): whether the route carries allgather and broadcast; if
+  // not, the executor sends them through Gloo. outputs[r] receives rank r's `input`.
+  virtual bool MovesData() const { return false; }
+  virtual void Allgather(const at::Tensor& input, std::vector<at::Tensor>& outputs) {}
+  virtual void Broadcast(at::Tensor& tensor, int root) {}
 };
 
 // What the engine was given; the pointers stay owned by the engine.

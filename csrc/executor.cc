@@ -78,7 +78,9 @@ void Executor::Trace(const std::vector<Local>& locals, int64_t start_us, int64_t
 
 std::string Executor::RouteName(CollectiveKind kind, c10::Device device, CollectiveBackend* backend) const {
   const bool reduction = kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter;
-  return reduction && device.is_cpu() ? cpu_route_->name() : backend->name();
+  const bool moved = (kind == CollectiveKind::kAllgather || kind == CollectiveKind::kBroadcast) &&
+                     cpu_route_->MovesData();
+  return (reduction || moved) && device.is_cpu() ? cpu_route_->name() : backend->name();
 }
 
 CollectiveBackend* Executor::BackendFor(c10::Device device) {

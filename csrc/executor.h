@@ -75,6 +75,8 @@ class Executor {
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend,
                      const std::function<void(at::Tensor&)>& finish);
   void Broadcast(std::vector<Local>& locals, CollectiveBackend* backend);
+  // One broadcast of a contiguous tensor, through the CPU route where it moves data.
+  void BroadcastOn(at::Tensor& tensor, int root, CollectiveBackend* backend);
   void Allgather(Local& local, CollectiveBackend* backend);
   void Alltoall(Local& local, CollectiveBackend* backend);
   void FromPayloads(Local& local);

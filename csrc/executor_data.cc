@@ -13,6 +13,14 @@
 
 namespace hvdlite {
 
+void Executor::BroadcastOn(at::Tensor& tensor, int root, CollectiveBackend* backend) {
+  if (tensor.is_cpu() && cpu_route_->MovesData()) {
+    cpu_route_->Broadcast(tensor, root);  // Note [Shared-memory allgather and broadcast]
+  } else {
+    backend->Broadcast(tensor, root);
+  }
+}
+
 void Executor::Broadcast(std::vector<Local>& locals, CollectiveBackend* backend) {
   const int root = locals.front().item->request.root;
   const bool is_root = rank_ == root;
@@ -24,7 +32,7 @@ void Executor::Broadcast(std::vector<Local>& locals, CollectiveBackend* backend)
   if (locals.size() == 1 && first.output.is_contiguous()) {
     if (is_root && !first.output.is_same(first.input)) first.output.copy_(first.input);
     CollectiveStarts();
-    backend->Broadcast(first.output, root);
+    BroadcastOn(first.output, root, backend);
     CollectiveEnds();
     return;
   }
@@ -37,7 +45,7 @@ void Executor::Broadcast(std::vector<Local>& locals, CollectiveBackend* backend)
     }
   }
   CollectiveStarts();
-  backend->Broadcast(buffer, root);
+  BroadcastOn(buffer, root, backend);
   CollectiveEnds();
   offset = 0;
   for (Local& local : locals) {
@@ -60,7 +68,13 @@ void Executor::Allgather(Local& local, CollectiveBackend* backend) {
     max_rows = std::max(max_rows, d);
   }
   out_shape[0] = total_rows;
-  at::Tensor output = at::empty(out_shape, input.options().memory_format(at::MemoryFormat::Contiguous));
+  // A caller may hand in the output (the torch.distributed backend's allgather_into_tensor):
+  // used where it fits, so the result is written once, straight where it belongs.
+  const at::Tensor& given = local.entry.output;
+  const bool fits = given.defined() && given.is_contiguous() && given.numel() == total_rows * row &&
+                    given.scalar_type() == input.scalar_type() && given.device() == input.device();
+  at::Tensor output = fits ? given.view(out_shape)
+                           : at::empty(out_shape, input.options().memory_format(at::MemoryFormat::Contiguous));
   local.entry.output = output;
   local.aux = dims;  // the differentiable allgather slices its gradient with these
   if (output.numel() == 0) return;
@@ -82,7 +96,11 @@ void Executor::Allgather(Local& local, CollectiveBackend* backend) {
   std::vector<at::Tensor> slots;
   for (int r = 0; r < size_; ++r) slots.push_back(receive.narrow(0, r * slot, slot));
   CollectiveStarts();
-  backend->Allgather(send, slots);
+  if (send.is_cpu() && cpu_route_->MovesData()) {
+    cpu_route_->Allgather(send, slots);  // Note [Shared-memory allgather and broadcast]
+  } else {
+    backend->Allgather(send, slots);
+  }
   CollectiveEnds();
   if (!even) {
     int64_t offset = 0;

@@ -1,5 +1,5 @@
-// ShmChannel: allreduce through one shared-memory segment, for the ranks of an engine that all
-// run on one host.
+// ShmChannel: allreduce, allgather and broadcast through one shared-memory segment, for the
+// ranks of an engine that all run on one host.
 //
 // Note [Shared-memory allreduce]
 // On one host, a Gloo allreduce still moves every byte through loopback TCP: system calls,
@@ -139,6 +139,18 @@ class ShmChannel {
   static bool PiecesOverlap(const std::vector<Piece>& pieces);
   void AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
                        const Hook& prescale, const Hook& finish, const Hook& across = nullptr);
+
+  // Note [Shared-memory allgather and broadcast]
+  // Collectives that only move data use the same banks, chunk by chunk, with one barrier per
+  // chunk: each rank (Allgather) or the root (Broadcast) copies its chunk into its slot, one
+  // barrier, and every rank copies the slots it needs out. A bank is written again two chunks
+  // later, after the next chunk's barrier, which no rank passes before every rank has copied
+  // out of it, the same argument as the allreduce's (and both kinds alternate the same banks).
+  // Every rank's `input` has the same byte count (the executor pads uneven allgathers), so
+  // every rank runs the same chunks. outputs[r] receives rank r's bytes; `root` is an engine
+  // rank (ranks[i] of the constructor).
+  void Allgather(const at::Tensor& input, std::vector<at::Tensor>& outputs);
+  void Broadcast(at::Tensor& tensor, int root);
 
   static size_t SegmentBytes(int size, int64_t chunk_bytes = 0);
   // Note [Hierarchical allreduce]: every host cuts buffers at the same element counts, so the

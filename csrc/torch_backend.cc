@@ -364,11 +364,13 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::_allgather_base(at::Tensor& output,
   TORCH_CHECK(output.numel() == input.numel() * size_,
               "hvdlite backend: allgather_into_tensor: the output has ", output.numel(),
               " elements, expected the input's ", input.numel(), " times the group's size ", size_);
-  std::vector<EnqueueArgs> args{Request(CollectiveKind::kAllgather, AsRow(input), at::Tensor())};
+  // The engine writes straight into a contiguous output (no copy afterwards).
+  std::vector<EnqueueArgs> args{Request(CollectiveKind::kAllgather, AsRow(input),
+                                        output.is_contiguous() ? output : at::Tensor())};
   at::Tensor target = output;
   return Submit(c10d::OpType::_ALLGATHER_BASE, "allgather_into_tensor", std::move(args),
                 [target](std::vector<at::Tensor>& out) {
-                  target.copy_(out[0].view(target.sizes()));
+                  if (out[0].data_ptr() != target.data_ptr()) target.copy_(out[0].view(target.sizes()));
                   return std::vector<at::Tensor>{target};
                 });
 }
