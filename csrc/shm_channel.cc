@@ -363,6 +363,7 @@ void ShmChannel::Allgather(const at::Tensor& input, std::vector<at::Tensor>& out
   const int64_t bytes = input.numel() * static_cast<int64_t>(input.element_size());
   const char* in = static_cast<const char*>(input.data_ptr());
   try {
+    if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
     for (int64_t offset = 0; offset < bytes; offset += chunk_) {
       const int64_t n = std::min(chunk_, bytes - offset);
       const int bank = bank_;
@@ -387,6 +388,7 @@ void ShmChannel::Broadcast(at::Tensor& tensor, int root) {
   const int64_t bytes = tensor.numel() * static_cast<int64_t>(tensor.element_size());
   char* data = static_cast<char*>(tensor.data_ptr());
   try {
+    if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
     for (int64_t offset = 0; offset < bytes; offset += chunk_) {
       const int64_t n = std::min(chunk_, bytes - offset);
       const int bank = bank_;

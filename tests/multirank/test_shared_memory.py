@@ -178,7 +178,34 @@ def test_rounds_that_nobody_waits_for_sleep_in_the_channel_and_stay_exact():
     assert not _leftover_segments()
 
 
-def _victim_or_survivor(victim):
+def _moves():
+    # Note [Shared-memory allgather and broadcast]: several chunks, uneven first dimensions
+    # (padded slots), every dtype's bytes, a root other than 0, interleaved with allreduces on
+    # the same banks; checked against each rank's input, computed here from the seeds
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    assert _state.current().sets[0].engine.shared_memory
+    for i, (rows, dtype) in enumerate([(CHUNK // 4 // 3 + 5, torch.float32), (CHUNK // 8 + 1, torch.float64),
+                                       (CHUNK + 3, torch.int8), (300, torch.bfloat16)]):
+        inputs = [rank_input(300 + i, r, (rows + 1000 * r, 3), dtype) for r in range(size)]
+        got = hvd.allgather(inputs[rank], name=f"gather.{i}")
+        assert torch.equal(got, torch.cat(inputs)), f"allgather {i} on rank {rank}"
+        root = (i + 1) % size
+        t = inputs[rank].clone() if rank == root else torch.zeros_like(inputs[root])
+        hvd.broadcast_(t, root_rank=root, name=f"broadcast.{i}")
+        assert torch.equal(t, inputs[root]), f"broadcast {i} from {root} on rank {rank}"
+        summed = hvd.allreduce(torch.ones(CHUNK // 2 + i), op=hvd.Sum, name=f"between.{i}")
+        assert torch.equal(summed, torch.full((CHUNK // 2 + i,), float(size)))
+    hvd.shutdown()
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_shared_memory_allgather_and_broadcast_match_every_ranks_input(size):
+    assert all(run_ranks(size, __name__, "_moves", timeout=180))
+
+
+def _victim_or_survivor(victim, kind="allreduce"):
     hvd.init()
     assert _state.current().sets[0].engine.shared_memory
     big = torch.ones(CHUNK)  # four chunks
@@ -186,15 +213,19 @@ def _victim_or_survivor(victim):
     print("READY", flush=True)
     started = time.time()
     try:
-        hvd.allreduce(big, name="never-completes")  # the victim pauses inside the channel
+        if kind == "allgather":  # the victim pauses inside the channel
+            hvd.allgather(big, name="never-completes")
+        else:
+            hvd.allreduce(big, name="never-completes")
     except hvd.RankFailureError as exc:
         return time.time() - started, time.time(), str(exc), exc.ranks
     return None
 
 
-def test_rank_killed_inside_the_channel_fails_the_others_naming_it():
+@pytest.mark.parametrize("kind", ["allreduce", "allgather"])
+def test_rank_killed_inside_the_channel_fails_the_others_naming_it(kind):
     size, victim = 3, 2
-    job = Job(size, __name__, "_victim_or_survivor", victim,
+    job = Job(size, __name__, "_victim_or_survivor", victim, kind,
               rank_env_extra={victim: {"HVDLITE_TEST_SHM_DELAY_MS": "1000"}})
     for rank in range(size):
         job.wait_for_output(rank, "READY", timeout=60)
