@@ -117,7 +117,8 @@ def add_process_set(process_set):
         rank = process_set.ranks.index(me)
         engine, groups = _groups.start_engine(state.group_context(), f"set{set_id}", rank,
                                               len(process_set.ranks),
-                                              [state.peers[r] for r in process_set.ranks])
+                                              [state.peers[r] for r in process_set.ranks],
+                                              timeline_label=f"set{set_id}")
     state.sets[set_id] = _state.SetRuntime(list(process_set.ranks), engine, groups, rank)
     process_set.process_set_id = set_id
     process_set._init_number = state.init_number

@@ -65,7 +65,9 @@ def _create(store, rank, size, timeout):
     settings.setdefault("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", repr(peers[0]["timeout_s"]))
     one_host = len({p["host"] for p in peers}) == 1
     loopback = one_host and _is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    engine, _ = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers)
+    # its timeline is "<path>.pg<n>": the n-th group of the backend this process made
+    engine, _ = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers,
+                                     timeline_label=f"pg{len(_MADE)}")
     backend = _core.torch_backend(engine)
     _MADE.append(backend)
     return backend

@@ -142,13 +142,27 @@ def _local_paths(store, base, rank, size, options, members, loopback):
     return channel, cross, True
 
 
-def start_engine(context, tag, rank, size, members=None):
+def timeline_for(settings, label):
+    """`settings` with HVDLITE_TIMELINE naming a file of this engine's own: every engine of a
+    process writes its own trace ("trace.json" is the global set's; a process set's is
+    "trace.set1.json", a torch.distributed group's "trace.pg0.json"; each then gets its
+    ".rank<r>" part), where one path for all would have them truncate each other's file."""
+    path = settings.get("HVDLITE_TIMELINE")
+    if not path or label is None:
+        return settings
+    root, ext = os.path.splitext(path)
+    return {**settings, "HVDLITE_TIMELINE": f"{root}.{label}{ext or '.json'}"}
+
+
+def start_engine(context, tag, rank, size, members=None, timeline_label=None):
     """Creates the process groups of one engine over `size` ranks and starts it.
 
     `context` is (store, key prefix, loopback, settings); `members` the records (host, pid)
-    of the engine's ranks, in order. Returns (engine, groups).
+    of the engine's ranks, in order; `timeline_label` names its timeline file (timeline_for;
+    None: the path as given, the global set's). Returns (engine, groups).
     """
     store, prefix, loopback, settings = context
+    settings = timeline_for(settings, timeline_label)
     base = f"{prefix}{tag}/"
     options = _core._parse_config(settings)
     try:

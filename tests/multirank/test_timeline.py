@@ -68,3 +68,31 @@ def test_timeline_started_and_stopped_at_run_time(tmp_path):
         first, second = _rows(tmp_path / f"first.rank{rank}.json"), _rows(tmp_path / f"second.rank{rank}.json")
         assert "during.first" in first and not {"before", "during.second", "after"} & first
         assert "during.second" in second and not {"before", "during.first", "after"} & second
+
+
+def _engines_of_one_process():
+    # the global set, a process set and two torch.distributed groups of the backend, each
+    # engine with a timeline file of its own (hvdlite/_runtime/groups.py timeline_for)
+    import torch.distributed as dist
+    hvd.init()
+    pair = hvd.add_process_set([0, 1])
+    hvd.allreduce(torch.ones(100), name="global.op")
+    hvd.allreduce(torch.ones(100), name="set.op", process_set=pair)
+    dist.init_process_group("hvdlite", init_method="hvdlite://")
+    dist.all_reduce(torch.ones(100))
+    second = dist.new_group(backend="hvdlite")
+    dist.all_gather_into_tensor(torch.empty(200), torch.ones(100), group=second)
+    dist.destroy_process_group()
+    hvd.shutdown()
+    return True
+
+
+def test_every_engine_of_a_process_writes_its_own_timeline(tmp_path):
+    assert all(run_ranks(2, __name__, "_engines_of_one_process", env={"HVDLITE_TIMELINE": str(tmp_path / "t.json")}))
+    for rank in range(2):
+        glob_rows, set_rows = _rows(tmp_path / f"t.rank{rank}.json"), _rows(tmp_path / f"t.set1.rank{rank}.json")
+        assert "global.op" in glob_rows and "set.op" not in glob_rows, glob_rows
+        assert "set.op" in set_rows and "global.op" not in set_rows, set_rows
+        default, second = _rows(tmp_path / f"t.pg0.rank{rank}.json"), _rows(tmp_path / f"t.pg1.rank{rank}.json")
+        assert any(r.startswith("c10d.allreduce") for r in default), default
+        assert any(r.startswith("c10d.allgather_into_tensor") for r in second), second
