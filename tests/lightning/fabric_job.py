@@ -18,13 +18,13 @@ from tests.lightning.fit_job import PER_RANK, SAMPLES, dataset, model, one_proce
 EPOCHS = 2
 
 
-def reference(size, accumulate=1, clip=None):
+def reference(size, accumulate=1, clip=None, clip_value=None):
     """Fabric's sampler does not shuffle a sequential loader: rank r takes every size-th sample,
     so step k's batches are rank r's samples k*PER_RANK*size + r, + r + size, ..."""
     per_step = PER_RANK * size
     steps = [[list(range(k * per_step + r, (k + 1) * per_step, size)) for r in range(size)]
              for k in range(SAMPLES // per_step)] * EPOCHS
-    return one_process(steps, accumulate=accumulate, clip=clip)
+    return one_process(steps, accumulate=accumulate, clip=clip, clip_value=clip_value)
 
 
 def main():
@@ -33,6 +33,7 @@ def main():
     parser.add_argument("tag")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--clip-value", type=float, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     from lightning.fabric import Fabric
@@ -50,6 +51,8 @@ def main():
             if not accumulating:
                 if args.clip is not None:
                     fabric.clip_gradients(net, opt, max_norm=args.clip)
+                if args.clip_value is not None:
+                    fabric.clip_gradients(net, opt, clip_val=args.clip_value)
                 opt.step()
                 opt.zero_grad()
     mean = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op="mean")

@@ -146,7 +146,8 @@ def reference_manual(size, epochs=2):
     return [p.detach() for p in net.parameters()] + [p.detach() for p in other.parameters()]
 
 
-def one_process(steps, optimizer_name="sgd", accumulate=1, clip=None, scheduler=False, scale=1.0):
+def one_process(steps, optimizer_name="sgd", accumulate=1, clip=None, scheduler=False, scale=1.0,
+                clip_value=None):
     """One process taking, at each step, the mean loss of the ranks' batches (`steps`: for each
     step, every rank's sample indices) times `scale`, accumulating, clipping and scheduling as
     told."""
@@ -160,6 +161,8 @@ def one_process(steps, optimizer_name="sgd", accumulate=1, clip=None, scheduler=
         if (step + 1) % accumulate == 0:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            if clip_value is not None:
+                torch.nn.utils.clip_grad_value_(net.parameters(), clip_value)
             opt.step()
             opt.zero_grad()
             if schedule is not None:
@@ -187,6 +190,7 @@ def main():
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--clip-value", type=float, default=None, help="gradient_clip_algorithm='value'")
     parser.add_argument("--devices", default=None, help="the Trainer's devices (DDPStrategy: per host)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--precision", default="32-true")
@@ -214,7 +218,9 @@ def main():
     devices = int(args.devices) if args.devices else ("auto" if strategy == "hvdlite" else 2)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=args.epochs,
                          precision=args.precision,
-                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
+                         accumulate_grad_batches=args.accumulate,
+                         gradient_clip_val=args.clip if args.clip_value is None else args.clip_value,
+                         gradient_clip_algorithm="norm" if args.clip_value is None else "value",
                          enable_progress_bar=False, enable_model_summary=False, logger=False,
                          enable_checkpointing=False, fast_dev_run=args.fast_dev_run)
     module = TwoOptimizers() if args.manual else Regression(args.optimizer, args.fail_rank, args.scheduler)

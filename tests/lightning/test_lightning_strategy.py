@@ -34,8 +34,9 @@ def _assert_params(got, expected, atol=1e-6):
     (("--optimizer", "adam"), {"optimizer_name": "adam"}),
     (("--accumulate", "2"), {"accumulate": 2}),
     (("--clip", "0.05"), {"clip": 0.05}),
+    (("--clip-value", "0.02"), {"clip_value": 0.02}),
     (("--scheduler",), {"scheduler": True}),
-], ids=["sgd", "adam", "accumulate", "clip", "lr_scheduler"])
+], ids=["sgd", "adam", "accumulate", "clip", "clip_value", "lr_scheduler"])
 def test_a_fit_equals_one_process_on_the_combined_batch(tmp_path, options, reference):
     launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "fit", "hvdlite", *options], tmp_path)
     expected = reference_fit(2, **reference)
@@ -136,8 +137,9 @@ FABRIC_JOB = os.path.join(os.path.dirname(JOB), "fabric_job.py")
 
 
 @pytest.mark.parametrize("options,reference", [((), {}), (("--accumulate", "2"), {"accumulate": 2}),
-                                               (("--clip", "0.05"), {"clip": 0.05})],
-                         ids=["plain", "no_backward_sync", "clip_gradients"])
+                                               (("--clip", "0.05"), {"clip": 0.05}),
+                                               (("--clip-value", "0.02"), {"clip_value": 0.02})],
+                         ids=["plain", "no_backward_sync", "clip_gradients", "clip_by_value"])
 def test_a_fabric_loop_equals_one_process_on_the_combined_batch(tmp_path, options, reference):
     from tests.lightning.fabric_job import reference as fabric_reference
     launch(HVDLITERUN + [sys.executable, FABRIC_JOB, str(tmp_path), "fabric", *options], tmp_path)
@@ -154,6 +156,8 @@ def test_the_references_of_the_cases_differ():
     for plain, other in ((reference_fit(2), reference_fit(2, clip=0.05)),
                          (reference_fit(2), reference_fit(2, accumulate=2)),
                          (reference_fit(2), reference_fit(2, scheduler=True)),
+                         (reference_fit(2), reference_fit(2, clip_value=0.02)),
+                         (fabric_reference(2), fabric_reference(2, clip_value=0.02)),
                          (fabric_reference(2), fabric_reference(2, clip=0.05)),
                          (fabric_reference(2), fabric_reference(2, accumulate=2))):
         assert max((a - b).abs().max().item() for a, b in zip(plain, other)) > 1e-3
