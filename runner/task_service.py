@@ -9,17 +9,29 @@ secret. The task
      store through the first it reaches, reporting which ones it reached;
   3. listens on one port on every address and publishes its interfaces and that port;
   4. once every task has published, probes every other task on every address it listed: a
-     TCP connection, then a challenge the peer answers with an HMAC of the job's secret and
-     its own index, so a reply from some other program on that address does not count;
+     TCP connection, then a challenge with the prober's own proof (an HMAC of the job's
+     secret), which the peer answers with an HMAC of the secret, the challenge and its own
+     index, so a reply from some other program on that address does not count, and a
+     stranger's challenge gets no answer at all;
   5. publishes what it reached, keeps answering probes until the driver says done, and exits.
 The driver keeps the interface names through which every host reached every other host. Keys
 live under `discovery/` in the job's store; the store's secret protects them. No torch.
+
+The probe port answers on one thread, as the rendezvous server handshakes (Note [Bounded
+handshakes] in hvdlite/_job/server.py): every connection non-blocking in one selector, at most
+MAX_PENDING at once (the oldest closed first), PROBE_TIMEOUT for the whole exchange however
+slowly the bytes come, anything beyond the probe closes it, and an accept that fails for want
+of descriptors frees the oldest. So strangers cannot starve the peers' probes, which arrive
+and are answered at once.
 """
+import collections
+import errno
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import selectors
 import socket
 import sys
 import threading
@@ -30,7 +42,10 @@ from hvdlite._job.netif import interface_addresses
 from hvdlite._job.wire import RendezvousClient, RendezvousError
 
 PROBE_TIMEOUT = 2.0
+MAX_PENDING = 64
 _CHALLENGE = 16
+_PROBE = _CHALLENGE + 32  # the challenge and the prober's proof
+_OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 def interfaces() -> Dict[str, List[str]]:
@@ -39,30 +54,84 @@ def interfaces() -> Dict[str, List[str]]:
 
 
 def _proof(secret: str, challenge: bytes, index: int) -> bytes:
-    return hmac.new(secret.encode(), challenge + b"|" + str(index).encode(), hashlib.sha256).digest()
+    """The answering task's proof."""
+    return hmac.new(secret.encode(), b"answer|" + challenge + b"|" + str(index).encode(), hashlib.sha256).digest()
+
+
+def _prober_proof(secret: str, challenge: bytes) -> bytes:
+    return hmac.new(secret.encode(), b"probe|" + challenge, hashlib.sha256).digest()
 
 
 def _serve(listener: socket.socket, secret: str, index: int) -> None:
-    """Answers probes: reads a challenge, sends this task's index and proof."""
-    while True:
+    """Answers probes (the module's docstring says how strangers are bounded)."""
+    selector = selectors.DefaultSelector()
+    listener.setblocking(False)
+    selector.register(listener, selectors.EVENT_READ)
+    pending = collections.OrderedDict()  # conn -> [received bytes, deadline]
+
+    def drop(conn):
+        pending.pop(conn, None)
         try:
-            conn, _ = listener.accept()
-        except OSError:
-            return
-        try:
-            conn.settimeout(PROBE_TIMEOUT)
-            challenge = b""
-            while len(challenge) < _CHALLENGE:
-                chunk = conn.recv(_CHALLENGE - len(challenge))
-                if not chunk:
-                    break
-                challenge += chunk
-            if len(challenge) == _CHALLENGE:
-                conn.sendall(str(index).encode().rjust(8) + _proof(secret, challenge, index))
-        except OSError:
+            selector.unregister(conn)
+        except (KeyError, ValueError):
             pass
-        finally:
-            conn.close()
+        conn.close()
+
+    try:
+        while True:
+            now = time.monotonic()
+            wait = min([0.25] + [max(0.0, d - now) for _, d in pending.values()])
+            for key, _ in selector.select(timeout=wait):
+                if key.fileobj is listener:
+                    while True:
+                        try:
+                            conn, _ = listener.accept()
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError as exc:
+                            if exc.errno not in _OUT_OF_DESCRIPTORS:
+                                raise
+                            if pending:
+                                drop(next(iter(pending)))
+                            else:
+                                time.sleep(0.05)
+                            break
+                        conn.setblocking(False)
+                        if len(pending) >= MAX_PENDING:
+                            drop(next(iter(pending)))
+                        pending[conn] = [b"", time.monotonic() + PROBE_TIMEOUT]
+                        selector.register(conn, selectors.EVENT_READ)
+                    continue
+                conn = key.fileobj
+                if conn not in pending:
+                    continue
+                try:
+                    data = conn.recv(_PROBE + 1)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                got = pending[conn][0] + data
+                pending[conn][0] = got
+                if not data or len(got) > _PROBE:
+                    drop(conn)
+                elif len(got) == _PROBE:
+                    challenge, proof = got[:_CHALLENGE], got[_CHALLENGE:]
+                    if hmac.compare_digest(proof, _prober_proof(secret, challenge)):
+                        try:  # 40 bytes on a fresh connection: the send buffer takes them whole
+                            conn.send(str(index).encode().rjust(8) + _proof(secret, challenge, index))
+                        except OSError:
+                            pass
+                    drop(conn)
+            now = time.monotonic()
+            for conn in [c for c, (_, deadline) in pending.items() if deadline <= now]:
+                drop(conn)
+    except (OSError, ValueError):
+        pass  # the listener was closed: discovery is over
+    finally:
+        for conn in list(pending):
+            drop(conn)
+        selector.close()
 
 
 def probe(addr: str, port: int, secret: str, index: int) -> bool:
@@ -71,7 +140,7 @@ def probe(addr: str, port: int, secret: str, index: int) -> bool:
     try:
         with socket.create_connection((addr, port), timeout=PROBE_TIMEOUT) as sock:
             sock.settimeout(PROBE_TIMEOUT)
-            sock.sendall(challenge)
+            sock.sendall(challenge + _prober_proof(secret, challenge))
             reply = b""
             while len(reply) < 8 + 32:
                 chunk = sock.recv(8 + 32 - len(reply))

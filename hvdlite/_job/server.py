@@ -6,15 +6,31 @@ hvdlite/_runtime/store.py) with `connect(...)` and hands it to torch.distributed
 and the client are in hvdlite/_job/wire.py (Note [Rendezvous wire protocol]); this
 module is the server. It has no torch import, so the launcher itself starts fast.
 
-Threads: the server has one accepting thread plus one thread per client connection; they share
-the key table under one Condition (`_lock`), which blocking `get`/`wait` requests wait on. The
-client (`RendezvousClient`) keeps a small pool of authenticated connections, so one thread
-blocked in `get` never stops another thread of the same process from `set`-ting the key it waits
-for.
+Threads: one thread accepts connections and carries every handshake (Note [Bounded
+handshakes]); each authenticated connection then gets a thread of its own. They share the key
+table under one Condition (`_lock`), which blocking `get`/`wait` requests wait on. The client
+(`RendezvousClient`) keeps a small pool of authenticated connections, so one thread blocked in
+`get` never stops another thread of the same process from `set`-ting the key it waits for.
+
+Note [Bounded handshakes]
+A listening port is open to anyone who can reach it, so what a stranger can make the server
+hold is bounded: no thread is started before a connection has proved it knows the job's
+secret. The accepting thread owns every connection still in its handshake, non-blocking, in
+one selector: it sends the nonce, collects the reply as it trickles in, and verifies it. At most
+MAX_PENDING connections are in their handshake at once (a new one beyond that closes the
+oldest), each has HANDSHAKE_DEADLINE seconds for all of it however slowly its bytes come, a
+reply frame larger than _MAX_HANDSHAKE_FRAME or anything after it closes the connection, and
+an accept that fails for want of file descriptors closes the oldest pending connection and
+goes on. So strangers cost at most MAX_PENDING descriptors and no threads, and a rank's
+connection, which answers at once, is never starved: at worst it retries (the client does).
+Nothing a connection sends before its MAC matches is stored or answered.
 """
+import collections
+import errno
 import hmac
 import json
 import os
+import selectors
 import socket
 import threading
 import time
@@ -22,8 +38,21 @@ from typing import Dict, List, Optional, Sequence, Set
 
 from . import keys
 from .wire import (  # noqa: F401  (re-exported for the launcher and tests)
-    HANDSHAKE_TIMEOUT, MAGIC, _MAX_HANDSHAKE_FRAME, RendezvousClient, RendezvousError,
-    RendezvousTimeout, _mac, new_secret, recv_frame, send_frame)
+    HANDSHAKE_DEADLINE, HANDSHAKE_TIMEOUT, MAGIC, _LEN, _MAX_HANDSHAKE_FRAME, RendezvousClient,
+    RendezvousError, RendezvousTimeout, _mac, encode_frame, new_secret, parse_fields, recv_frame,
+    send_frame)
+
+MAX_PENDING = 64  # connections in their handshake at once (Note [Bounded handshakes])
+_OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+class _Handshake:
+    """One connection in its handshake: what it has sent so far, and its deadline."""
+
+    def __init__(self, conn: socket.socket, nonce: bytes) -> None:
+        self.conn, self.nonce = conn, nonce
+        self.received = bytearray()
+        self.deadline = time.monotonic() + HANDSHAKE_DEADLINE
 
 
 def connect(addr, port, secret, rank=-1, timeout=None):
@@ -238,43 +267,117 @@ class RendezvousServer:
 
     # -- threads
     def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
+        """Note [Bounded handshakes]: accepts, and carries every handshake, on one thread."""
+        selector = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        selector.register(self._listener, selectors.EVENT_READ)
+        pending: "collections.OrderedDict[socket.socket, _Handshake]" = collections.OrderedDict()
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                wait = min([0.25] + [max(0.0, h.deadline - now) for h in pending.values()])
+                for key, _ in selector.select(timeout=wait):
+                    if key.fileobj is self._listener:
+                        self._accept_all(selector, pending)
+                    elif key.fileobj in pending:
+                        self._read_handshake(selector, pending, pending[key.fileobj])
+                now = time.monotonic()
+                for handshake in [h for h in pending.values() if h.deadline <= now]:
+                    self._drop(selector, pending, handshake)
+        except (OSError, ValueError):
+            pass  # the listener was closed by stop()
+        finally:
+            for handshake in list(pending.values()):
+                self._drop(selector, pending, handshake, refused=False)
+            selector.close()
+
+    def _accept_all(self, selector, pending) -> None:
+        while True:
             try:
                 conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            thread = threading.Thread(target=self._serve, args=(conn,),
-                                      name="hvdlite-rdzv-conn", daemon=True)
-            thread.start()
+            except OSError as exc:
+                if exc.errno in _OUT_OF_DESCRIPTORS and pending:
+                    self._drop(selector, pending, next(iter(pending.values())))
+                    continue
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    time.sleep(0.05)  # nothing of ours to free: let the system recover
+                    return
+                raise
+            nonce = os.urandom(32)
+            try:
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.send(encode_frame([MAGIC, nonce]))  # a few dozen bytes: fits the send buffer
+            except OSError:
+                conn.close()
+                continue
+            if len(pending) >= MAX_PENDING:
+                self._drop(selector, pending, next(iter(pending.values())))
+            handshake = _Handshake(conn, nonce)
+            pending[conn] = handshake
+            selector.register(conn, selectors.EVENT_READ)
 
-    def _authenticate(self, conn: socket.socket) -> Optional[int]:
-        """The rank the client proved it may join as, or None; the caller sends the OK."""
-        conn.settimeout(HANDSHAKE_TIMEOUT)
-        nonce = os.urandom(32)
+    def _read_handshake(self, selector, pending, handshake) -> None:
         try:
-            send_frame(conn, [MAGIC, nonce])
-            reply = recv_frame(conn, max_size=_MAX_HANDSHAKE_FRAME)
+            data = handshake.conn.recv(_MAX_HANDSHAKE_FRAME + 8)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(selector, pending, handshake)
+            return
+        handshake.received += data
+        got = handshake.received
+        if len(got) < 4:
+            return
+        (size,) = _LEN.unpack_from(got, 0)
+        if size > _MAX_HANDSHAKE_FRAME or len(got) > 4 + size:  # oversized, or more than one frame
+            self._drop(selector, pending, handshake)
+            return
+        if len(got) < 4 + size:
+            return
+        rank = self._verify(handshake.nonce, bytes(got[4:]))
+        if rank is None:
+            self._drop(selector, pending, handshake)
+            return
+        selector.unregister(handshake.conn)
+        del pending[handshake.conn]
+        conn = handshake.conn
+        conn.setblocking(True)
+        thread = threading.Thread(target=self._serve, args=(conn, rank), name="hvdlite-rdzv-conn", daemon=True)
+        with self._state_lock:
+            self._conns.add(conn)
+        thread.start()
+
+    def _verify(self, nonce: bytes, body: bytes) -> Optional[int]:
+        """The rank the reply proves it may join as, or None."""
+        try:
+            reply = parse_fields(body)
             if len(reply) != 2:
                 return None
             rank_text, mac = reply
             if not hmac.compare_digest(mac, _mac(self.secret, nonce, rank_text)):
                 return None
             return int(rank_text)
-        except (OSError, ValueError, ConnectionError):
+        except (ValueError, ConnectionError):
             return None
 
-    def _serve(self, conn: socket.socket) -> None:
-        with self._state_lock:
-            self._conns.add(conn)
+    def _drop(self, selector, pending, handshake, refused=True) -> None:
+        pending.pop(handshake.conn, None)
         try:
-            rank = self._authenticate(conn)
-            if rank is None:
-                with self._state_lock:
-                    self._refused += 1
-                return
+            selector.unregister(handshake.conn)
+        except (KeyError, ValueError):
+            pass
+        if refused:  # counted before the close that the client sees
+            with self._state_lock:
+                self._refused += 1
+        handshake.conn.close()
+
+    def _serve(self, conn: socket.socket, rank: int) -> None:
+        try:
             if rank >= 0:  # counted before the OK: Note [Rendezvous wire protocol], step 3
                 with self._state_lock:
                     self._arrived.setdefault(rank, time.monotonic())

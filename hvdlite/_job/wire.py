@@ -12,7 +12,8 @@ fields, each a 4-byte big-endian length followed by its bytes.
   3. The server compares the MAC with hmac.compare_digest. On a match it records the rank as
      arrived, then answers [b"OK"] (so a client holding its OK is already counted); otherwise
      it closes the connection without reading anything else. Frames before authentication are
-     limited to a few hundred bytes, and the handshake to HANDSHAKE_TIMEOUT seconds.
+     limited to a few hundred bytes, and the whole handshake to HANDSHAKE_DEADLINE seconds
+     (Note [Bounded handshakes] in server.py).
   4. Requests are [op, args...]; replies are [b"OK", results...], [b"TIMEOUT", message] or
      [b"ERR", message]. Blocking ops (GET, WAIT) carry their timeout in milliseconds (0 = none);
      the server does the waiting, so the client needs no polling.
@@ -29,9 +30,11 @@ from typing import Iterable, List, Optional, Sequence
 from ..exceptions import RendezvousError, RendezvousTimeout
 
 MAGIC = b"HVDLITE-RDZV-1"
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0  # the client's wait for each handshake frame
+HANDSHAKE_DEADLINE = 5.0  # the server's limit on a connection's whole handshake
 _MAX_HANDSHAKE_FRAME = 512
 _MAX_FRAME = 1 << 30
+_HANDSHAKE_TRIES = 3
 _REPLY_TIMEOUT = 60.0  # a live server answers non-blocking ops at once
 _LEN = struct.Struct(">I")
 
@@ -57,17 +60,18 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def send_frame(sock: socket.socket, fields: Sequence[bytes]) -> None:
+def encode_frame(fields: Sequence[bytes]) -> bytes:
     body = b"".join(_LEN.pack(len(f)) + f for f in fields)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    return _LEN.pack(len(body)) + body
 
 
-def recv_frame(sock: socket.socket, max_size: int = _MAX_FRAME) -> List[bytes]:
-    (size,) = _LEN.unpack(_recv_exact(sock, 4))
-    if size > max_size:
-        raise ConnectionError(f"frame of {size} bytes exceeds the limit of {max_size}")
-    body = _recv_exact(sock, size)
-    fields, pos = [], 0
+def send_frame(sock: socket.socket, fields: Sequence[bytes]) -> None:
+    sock.sendall(encode_frame(fields))
+
+
+def parse_fields(body: bytes) -> List[bytes]:
+    """The fields of one frame's body; ConnectionError when they do not fill it exactly."""
+    fields, pos, size = [], 0, len(body)
     while pos < size:
         if pos + 4 > size:
             raise ConnectionError("malformed frame")
@@ -75,9 +79,16 @@ def recv_frame(sock: socket.socket, max_size: int = _MAX_FRAME) -> List[bytes]:
         pos += 4
         if pos + n > size:
             raise ConnectionError("malformed frame")
-        fields.append(body[pos:pos + n])
+        fields.append(bytes(body[pos:pos + n]))
         pos += n
     return fields
+
+
+def recv_frame(sock: socket.socket, max_size: int = _MAX_FRAME) -> List[bytes]:
+    (size,) = _LEN.unpack(_recv_exact(sock, 4))
+    if size > max_size:
+        raise ConnectionError(f"frame of {size} bytes exceeds the limit of {max_size}")
+    return parse_fields(_recv_exact(sock, size))
 
 
 # ---------------------------------------------------------------------------- server
@@ -98,7 +109,7 @@ class RendezvousClient:
         self._closed = False
         self._release(self._open())  # fail now, not at the first operation
 
-    def _open(self) -> socket.socket:
+    def _connect(self) -> socket.socket:
         deadline = time.monotonic() + self._connect_timeout
         while True:
             try:
@@ -111,21 +122,33 @@ class RendezvousClient:
                         f"within {self._connect_timeout:.0f} s: {exc}") from None
                 time.sleep(0.1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.settimeout(HANDSHAKE_TIMEOUT)
-            hello = recv_frame(sock, max_size=_MAX_HANDSHAKE_FRAME)
-            if len(hello) != 2 or hello[0] != MAGIC:
-                raise ConnectionError("not an hvdlite rendezvous server")
-            rank_text = str(self.rank).encode()
-            send_frame(sock, [rank_text, _mac(self._secret, hello[1], rank_text)])
-            if recv_frame(sock, max_size=_MAX_HANDSHAKE_FRAME) != [b"OK"]:
-                raise ConnectionError("unexpected handshake reply")
-        except (OSError, ConnectionError) as exc:
-            sock.close()
-            raise RendezvousError(
-                f"the rendezvous store at {self.addr}:{self.port} refused rank {self.rank} "
-                f"({exc}); is HVDLITE_RENDEZVOUS_SECRET the one this job's launcher set?"
-            ) from None
+        return sock
+
+    def _open(self) -> socket.socket:
+        # A server under a flood of strangers may close a handshake to make room (Note [Bounded
+        # handshakes] in server.py), which looks like a refusal; a few quick tries tell the two
+        # apart without making a wrong secret slow to report.
+        for attempt in range(_HANDSHAKE_TRIES):
+            sock = self._connect()
+            try:
+                sock.settimeout(HANDSHAKE_TIMEOUT)
+                hello = recv_frame(sock, max_size=_MAX_HANDSHAKE_FRAME)
+                if len(hello) != 2 or hello[0] != MAGIC:
+                    raise ConnectionError("not an hvdlite rendezvous server")
+                rank_text = str(self.rank).encode()
+                send_frame(sock, [rank_text, _mac(self._secret, hello[1], rank_text)])
+                if recv_frame(sock, max_size=_MAX_HANDSHAKE_FRAME) != [b"OK"]:
+                    raise ConnectionError("unexpected handshake reply")
+                break
+            except (OSError, ConnectionError) as exc:
+                sock.close()
+                if attempt + 1 < _HANDSHAKE_TRIES and "not an hvdlite" not in str(exc):
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                raise RendezvousError(
+                    f"the rendezvous store at {self.addr}:{self.port} refused rank {self.rank} "
+                    f"({exc}); is HVDLITE_RENDEZVOUS_SECRET the one this job's launcher set?"
+                ) from None
         sock.settimeout(None)
         return sock
 
