@@ -40,6 +40,14 @@ inline void Relax() {
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 // False once `pid` has exited (a zombie has exited too); true when unsure.
+// The state letter of `pid` in /proc (R, S, D, T for stopped, t for traced, Z...), or 0.
+char ProcessState(int64_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  return paren == std::string::npos || paren + 2 >= text.size() ? 0 : text[paren + 2];
+}
+
 bool Alive(int64_t pid) {
   if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
@@ -239,8 +247,13 @@ void ShmChannel::Wait(uint64_t target) {
                                  ") exited (seen in the shared-memory channel)");
       }
       if (now > deadline) {
+        const char state = ProcessState(pids_[r]);
+        const std::string why = state == 'T' || state == 't'
+                                    ? " (its process " + std::to_string(pids_[r]) +
+                                          " is stopped: SIGSTOP, a debugger or a suspended job)"
+                                    : " (hung: its process " + std::to_string(pids_[r]) + " is alive)";
         throw std::runtime_error("rank " + std::to_string(ranks_[r]) + " did not reach the shared-memory channel within " +
-                                 std::to_string(static_cast<int64_t>(timeout_seconds_)) + " s");
+                                 std::to_string(static_cast<int64_t>(timeout_seconds_)) + " s" + why);
       }
     }
   }

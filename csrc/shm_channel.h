@@ -33,7 +33,9 @@
 // host); a rank that exited makes this one throw naming it (the engine then reports a rank
 // failure, as for a broken Gloo connection). A rank that fails inside the channel sets the
 // abort word, so the others throw at once instead of waiting. A rank that is alive but never
-// arrives is given the process-group timeout, as Gloo would.
+// arrives is given the channel's timeout: the process-group timeout, or the stall shutdown time
+// when that is shorter (hvdlite/_runtime/groups.py, _channel_timeout), and the error says
+// whether its process is stopped.
 //
 // Note [Yield only while a caller waits]
 // Yielding is cheap only when the core has nothing better to run. A round that overlaps the

@@ -75,7 +75,18 @@ def _nccl_group(store, rank, size):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def _segment(store, key, index, count, ranks, pids, chunk_bytes=0):
+def _channel_timeout(options):
+    """How long a shared-memory barrier waits for a peer that is alive: the process-group
+    timeout, or the stall shutdown time when that is shorter. Every idle engine joins a round
+    every heartbeat (Note [Process group timeout]), so a peer of this host that has not
+    arrived by then is frozen (stopped, or hung in its engine), and the others name it within
+    the stall time, as they name a rank that has not submitted a tensor."""
+    seconds = _timeout().total_seconds()
+    stall = options.get("stall_shutdown_seconds", 0.0)
+    return min(seconds, stall) if stall > 0 else seconds
+
+
+def _segment(store, key, index, count, ranks, pids, options, chunk_bytes=0):
     """One shared-memory segment among `count` processes on this host (this one is `index`;
     `ranks` name them in messages): index 0 creates it and publishes its name under `key`,
     each maps it and answers under `key/<index>`, and once all have answered index 0 unlinks
@@ -92,7 +103,7 @@ def _segment(store, key, index, count, ranks, pids, chunk_bytes=0):
     # not use it, or a peer would look dead.
     if name and all(_liveness.running(pid) for pid in pids):
         try:
-            channel = _core.ShmChannel(name, index, count, ranks, pids, _timeout().total_seconds(), chunk_bytes)
+            channel = _core.ShmChannel(name, index, count, ranks, pids, _channel_timeout(options), chunk_bytes)
         except RuntimeError:
             channel = None
     store.set(f"{key}/{index}", "1" if channel is not None else "0")
@@ -125,7 +136,8 @@ def _local_paths(store, base, rank, size, options, members, loopback):
         return None, None, False
     hosts = list(dict.fromkeys(m["host"] for m in members))
     if len(hosts) == 1:
-        return _segment(store, f"{base}shm", rank, size, list(range(size)), [m["pid"] for m in members]), None, False
+        return (_segment(store, f"{base}shm", rank, size, list(range(size)), [m["pid"] for m in members], options),
+                None, False)
     if not options["hierarchical_allreduce"]:
         return None, None, False
     host = hosts.index(members[rank]["host"])
@@ -133,7 +145,7 @@ def _local_paths(store, base, rank, size, options, members, loopback):
     channel = None
     if len(local) > 1:
         channel = _segment(store, f"{base}shm.h{host}", local.index(rank), len(local), local,
-                           [members[r]["pid"] for r in local], _core.ShmChannel.HIERARCHICAL_CHUNK)
+                           [members[r]["pid"] for r in local], options, _core.ShmChannel.HIERARCHICAL_CHUNK)
     if not _agree(store, f"{base}hierarchical", rank, size, len(local) == 1 or channel is not None):
         return None, None, False
     cross = None

@@ -243,3 +243,39 @@ def test_rank_killed_inside_the_channel_fails_the_others_naming_it(kind):
         assert f"rank {victim}" in message and "shared memory" in message, message
         assert victim in (ranks or []), (ranks, message)
     assert not _leftover_segments()
+
+
+def _stopped_peer(victim):
+    import os
+    import signal
+    hvd.init()
+    hvd.allreduce(torch.ones(10), name="warm-up")
+    if hvd.rank() == victim:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: killed by the test
+    started = time.time()
+    try:
+        hvd.allreduce(torch.ones(10), name="after")
+        outcome = ("no error", time.time() - started, [])
+    except hvd.RankFailureError as exc:
+        outcome = (str(exc), time.time() - started, exc.ranks)
+    print("DONE", flush=True)
+    return outcome
+
+
+def test_a_stopped_rank_is_named_within_the_stall_time():
+    # a SIGSTOPped peer is alive but frozen: the shared-memory barriers give it the stall
+    # shutdown time, not the process-group timeout (groups._channel_timeout)
+    size, victim = 3, 2
+    job = Job(size, __name__, "_stopped_peer", victim,
+              env={"HVDLITE_STALL_CHECK_TIME_SECONDS": "2", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "4"})
+    for rank in range(size):
+        if rank != victim:
+            job.wait_for_output(rank, "DONE", timeout=60)
+    job.kill(victim)
+    for rank, outcome in enumerate(job.wait(timeout=30, allow_failure=(victim,))):
+        if rank == victim:
+            continue
+        message, seconds, ranks = outcome
+        assert f"rank {victim}" in message, (rank, message)
+        assert seconds < 12, (rank, seconds)  # 4 s, a check interval and the census
+    assert not _leftover_segments()
