@@ -86,7 +86,7 @@ def _channel_timeout(options):
     return min(seconds, stall) if stall > 0 else seconds
 
 
-def _segment(store, key, index, count, ranks, pids, options, chunk_bytes=0):
+def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0):
     """One shared-memory segment among `count` processes on this host (this one is `index`;
     `ranks` name them in messages): index 0 creates it and publishes its name under `key`,
     each maps it and answers under `key/<index>`, and once all have answered index 0 unlinks
@@ -103,7 +103,7 @@ def _segment(store, key, index, count, ranks, pids, options, chunk_bytes=0):
     # not use it, or a peer would look dead.
     if name and all(_liveness.running(pid) for pid in pids):
         try:
-            channel = _core.ShmChannel(name, index, count, ranks, pids, _channel_timeout(options), chunk_bytes)
+            channel = _core.ShmChannel(name, index, count, ranks, pids, _channel_timeout(options or {}), chunk_bytes)
         except RuntimeError:
             channel = None
     store.set(f"{key}/{index}", "1" if channel is not None else "0")
