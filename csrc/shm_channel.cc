@@ -372,20 +372,19 @@ void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Co
   }
 }
 
-void ShmChannel::Allgather(const at::Tensor& input, std::vector<at::Tensor>& outputs) {
-  const int64_t bytes = input.numel() * static_cast<int64_t>(input.element_size());
-  const char* in = static_cast<const char*>(input.data_ptr());
+void ShmChannel::Move(int64_t bytes, const std::function<void(char** slots, int64_t offset, int64_t n)>& fill,
+                      const std::function<void(char** slots, int64_t offset, int64_t n)>& drain) {
+  std::vector<char*> slots(size_);
   try {
     if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
     for (int64_t offset = 0; offset < bytes; offset += chunk_) {
       const int64_t n = std::min(chunk_, bytes - offset);
       const int bank = bank_;
       bank_ ^= 1;
-      std::memcpy(Slot(bank, rank_), in + offset, n);
+      for (int r = 0; r < size_; ++r) slots[r] = Slot(bank, r);
+      fill(slots.data(), offset, n);
       Barrier();
-      for (int r = 0; r < size_; ++r) {
-        std::memcpy(static_cast<char*>(outputs[r].data_ptr()) + offset, Slot(bank, r), n);
-      }
+      drain(slots.data(), offset, n);
     }
   } catch (...) {
     Abort();
@@ -393,27 +392,30 @@ void ShmChannel::Allgather(const at::Tensor& input, std::vector<at::Tensor>& out
   }
 }
 
+void ShmChannel::Allgather(const at::Tensor& input, std::vector<at::Tensor>& outputs) {
+  const char* in = static_cast<const char*>(input.data_ptr());
+  Move(
+      input.numel() * static_cast<int64_t>(input.element_size()),
+      [&](char** slots, int64_t offset, int64_t n) { std::memcpy(slots[rank_], in + offset, n); },
+      [&](char** slots, int64_t offset, int64_t n) {
+        for (int r = 0; r < size_; ++r) std::memcpy(static_cast<char*>(outputs[r].data_ptr()) + offset, slots[r], n);
+      });
+}
+
 void ShmChannel::Broadcast(at::Tensor& tensor, int root) {
   const auto found = std::find(ranks_.begin(), ranks_.end(), static_cast<int64_t>(root));
   if (found == ranks_.end()) throw std::runtime_error("shared memory: broadcast from rank " + std::to_string(root) +
                                                       ", which is not in this channel");
   const int from = static_cast<int>(found - ranks_.begin());
-  const int64_t bytes = tensor.numel() * static_cast<int64_t>(tensor.element_size());
   char* data = static_cast<char*>(tensor.data_ptr());
-  try {
-    if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
-    for (int64_t offset = 0; offset < bytes; offset += chunk_) {
-      const int64_t n = std::min(chunk_, bytes - offset);
-      const int bank = bank_;
-      bank_ ^= 1;
-      if (rank_ == from) std::memcpy(Slot(bank, from), data + offset, n);
-      Barrier();
-      if (rank_ != from) std::memcpy(data + offset, Slot(bank, from), n);
-    }
-  } catch (...) {
-    Abort();
-    throw;
-  }
+  Move(
+      tensor.numel() * static_cast<int64_t>(tensor.element_size()),
+      [&](char** slots, int64_t offset, int64_t n) {
+        if (rank_ == from) std::memcpy(slots[from], data + offset, n);
+      },
+      [&](char** slots, int64_t offset, int64_t n) {
+        if (rank_ != from) std::memcpy(data + offset, slots[from], n);
+      });
 }
 
 }  // namespace hvdlite

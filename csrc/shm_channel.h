@@ -182,6 +182,10 @@ class ShmChannel {
   using Copy = std::function<void(char*, int64_t, int64_t)>;
   void Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Copy& fill, const Copy& drain,
            const Hook& prepare, const Hook& finish, const Hook& across);
+  // The chunk loop of Allgather and Broadcast (Note [Shared-memory allgather and broadcast]):
+  // per chunk of `bytes`, `fill` writes into this bank's slots, one barrier, `drain` reads them.
+  void Move(int64_t bytes, const std::function<void(char** slots, int64_t offset, int64_t n)>& fill,
+            const std::function<void(char** slots, int64_t offset, int64_t n)>& drain);
   void Abort();
   char* Slot(int bank, int rank) const;
   char* Result(int bank) const;
