@@ -78,6 +78,15 @@ def fsdp_step(name, args, rank, gloo):
         fully_shard(model, mesh=mesh)
         replicas[method] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
 
+    _race(f"FSDP2 training step, {name}", replicas, (FSDP_GLOO, FSDP_OURS), lambda p: p.to_local(),
+          (x, y, loss_fn), args, {FSDP_OURS: 0.80}, rank)
+
+
+def _race(title, replicas, pair, local, batch, args, targets, rank):
+    """Two steps of each of `pair`, whose parameters (`local` of each) must then agree exactly;
+    then every replica's step timed interleaved and reported against pair[0]."""
+    x, y, loss_fn = batch
+
     def step(method, n=1):
         model, opt = replicas[method]
         for _ in range(n):
@@ -85,15 +94,14 @@ def fsdp_step(name, args, rank, gloo):
             loss_fn(model(x), y).backward()
             opt.step()
 
-    for method in replicas:
+    for method in pair:
         step(method, 2)
-    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(replicas[FSDP_GLOO][0].parameters(),
-                                                                      replicas[FSDP_OURS][0].parameters()))
-    if not same:
-        raise SystemExit(f"rank {rank}: FSDP2 over hvdlite and over Gloo disagree on {name}")
+    if not all(torch.equal(local(a), local(b)) for a, b in zip(replicas[pair[0]][0].parameters(),
+                                                               replicas[pair[1]][0].parameters())):
+        raise SystemExit(f"rank {rank}: {pair[1]} and {pair[0]} disagree ({title})")
     times = _common.interleaved({m: (lambda m=m: step(m, args.steps_per_round)) for m in replicas}, args.rounds)
     times = {m: [t / args.steps_per_round for t in v] for m, v in times.items()}
-    _common.report(f"FSDP2 training step, {name}", times, FSDP_GLOO, {FSDP_OURS: 0.80}, args.json)
+    _common.report(title, times, pair[0], targets, args.json)
 
 
 def main(argv=None):
@@ -114,23 +122,8 @@ def main(argv=None):
         local = copy.deepcopy(base)
         replicas[LOCAL] = (local, torch.optim.SGD(local.parameters(), lr=0.01, momentum=0.9))
 
-        def step(method, n=1):
-            model, opt = replicas[method]
-            for _ in range(n):
-                opt.zero_grad()
-                loss_fn(model(x), y).backward()
-                opt.step()
-
-        for method in (GLOO, OURS):
-            step(method, 2)
-        same = all(torch.equal(a, b) for a, b in zip(replicas[GLOO][0].parameters(),
-                                                      replicas[OURS][0].parameters()))
-        if not same:
-            raise SystemExit(f"rank {rank}: DDP over hvdlite and over Gloo disagree on {name}")
-        times = _common.interleaved({m: (lambda m=m: step(m, args.steps_per_round)) for m in replicas},
-                                    args.rounds)
-        times = {m: [t / args.steps_per_round for t in v] for m, v in times.items()}
-        _common.report(f"DDP training step, {name}", times, GLOO, TARGETS, args.json)
+        _race(f"DDP training step, {name}", replicas, (GLOO, OURS), lambda p: p, (x, y, loss_fn), args,
+              TARGETS, rank)
 
     for name in filter(None, args.fsdp_models.split(",")):
         fsdp_step(name, args, rank, gloo)
