@@ -15,6 +15,8 @@
 #include "config.h"
 #include "engine.h"
 #include "message.h"
+#include "recorder.h"
+#include "timeline.h"
 #include "status_error.h"
 #include "test_hooks.h"
 #include "torch_backend.h"
@@ -164,6 +166,70 @@ py::dict ParseConfig(const std::map<std::string, std::string>& env) {
   return out;
 }
 
+// Note [Straggler attribution]: {rank: {...}} (hvd.straggler_report()).
+py::dict StragglerDict(const Engine& engine) {
+  py::dict out;
+  const std::vector<StragglerFigures> figures = engine.recorder().Stragglers();
+  for (size_t r = 0; r < figures.size(); ++r) {
+    const StragglerFigures& f = figures[r];
+    out[py::int_(r)] = py::dict(py::arg("last_fraction") = f.last_fraction, py::arg("lag_median_s") = f.lag_median_s,
+                                py::arg("lag_p95_s") = f.lag_p95_s, py::arg("rounds_last") = f.rounds_last,
+                                py::arg("rounds") = f.rounds, py::arg("flagged") = f.flagged);
+  }
+  return out;
+}
+
+// Note [Flight record]: recent rounds, what the engine thread does, and (if it answered within
+// `timeout_s`) the collectives pending now.
+py::dict FlightRecordDict(Engine& engine, double timeout_s) {
+  std::vector<PendingCollective> pending;
+  bool answered = false;
+  {
+    py::gil_scoped_release release;
+    answered = engine.PendingNow(timeout_s, &pending);
+  }
+  py::list rounds;
+  for (const FlightRound& round : engine.recorder().Rounds()) {
+    py::list items;
+    for (const FlightItem& item : round.items) {
+      items.append(py::dict(py::arg("name") = item.name, py::arg("op") = KindName(item.kind),
+                            py::arg("bytes") = item.bytes, py::arg("transport") = item.transport,
+                            py::arg("error") = item.error));
+    }
+    rounds.append(py::dict(py::arg("round") = round.round, py::arg("at_s") = round.at_us / 1e6,
+                           py::arg("tensors") = round.tensors, py::arg("bytes") = round.bytes,
+                           py::arg("last_rank") = round.last_rank, py::arg("lag_s") = round.lag_us / 1e6,
+                           py::arg("items") = items));
+  }
+  py::object waiting = py::none();
+  if (answered) {
+    py::list list;
+    for (const PendingCollective& p : pending) {
+      list.append(py::dict(py::arg("name") = p.name, py::arg("op") = KindName(p.kind), py::arg("bytes") = p.bytes,
+                           py::arg("waited_s") = p.waited_ms / 1e3, py::arg("submitted") = p.submitted,
+                           py::arg("missing") = p.missing));
+    }
+    waiting = list;
+  }
+  const auto [activity, since_us] = engine.recorder().Activity();
+  return py::dict(py::arg("rounds") = rounds, py::arg("pending") = waiting, py::arg("activity") = activity,
+                  py::arg("activity_for_s") = (MonotonicMicros() - since_us) / 1e6);
+}
+
+// Note [Metrics] (hvdlite/_runtime/metrics.py): the engine's counters.
+py::dict MetricsDict(const Engine& engine) {
+  const MetricsSnapshot m = engine.recorder().Metrics();
+  py::list traffic;
+  for (const auto& [key, t] : m.traffic) traffic.append(py::make_tuple(key.first, key.second, t.tensors, t.bytes));
+  return py::dict(py::arg("traffic") = traffic, py::arg("round_bounds_s") = m.round_bounds_s,
+                  py::arg("round_counts") = m.round_counts, py::arg("round_sum_s") = m.round_sum_s,
+                  py::arg("rounds") = m.rounds, py::arg("negotiate_sum_s") = m.negotiate_sum_s,
+                  py::arg("negotiations") = m.negotiations, py::arg("fusion_fill_sum") = m.fusion_fill_sum,
+                  py::arg("fused_batches") = m.fused_batches, py::arg("cache_hits") = m.cache_hits,
+                  py::arg("cache_misses") = m.cache_misses, py::arg("stall_warnings") = m.stall_warnings,
+                  py::arg("stall_failures") = m.stall_failures);
+}
+
 }  // namespace
 }  // namespace hvdlite
 
@@ -251,6 +317,11 @@ PYBIND11_MODULE(_core, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_timeline", &Engine::SetTimeline, py::arg("path"), py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::Shutdown, py::arg("reason") = "", py::arg("reset") = false, py::call_guard<py::gil_scoped_release>())
+      .def("stragglers", &StragglerDict)
+      .def("flight_record", &FlightRecordDict, py::arg("timeout_s") = 2.0)
+      .def("metrics", &MetricsDict)
+      .def("set_recording", &Engine::set_recording, py::arg("on"))
+      .def("set_label", &Engine::SetLabel, py::arg("label"), py::arg("propagates_signals") = false)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("shared_memory", &Engine::shared_memory)
@@ -269,6 +340,11 @@ PYBIND11_MODULE(_core, m) {
       .def_static("create", &ShmChannel::Create, py::arg("name"), py::arg("size"), py::arg("chunk_bytes") = 0)
       .def_static("unlink", &ShmChannel::Unlink, py::arg("name"))
       .def_static("segment_bytes", &ShmChannel::SegmentBytes, py::arg("size"), py::arg("chunk_bytes") = 0);
+
+  // Note [Dump requests] (recorder.h)
+  m.def("install_dump_signal", &InstallDumpSignal, py::arg("signum"));
+  m.def("ring_dump", &RingDump, py::arg("id"), py::arg("reason"));
+  m.def("wait_dump", &WaitDump, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
 
   DefineTestHooks(m);
   m.def("_parse_config", &ParseConfig);

@@ -117,6 +117,12 @@ const std::vector<Setting>& Settings() {
       Text("HVDLITE_TIMELINE", "timeline_path", &Config::timeline_path),
       {"HVDLITE_LOG_LEVEL", "log_level", K::kLevel, false, 0, 0, "one of trace, debug, info, warning, error",
        nullptr, nullptr, nullptr, nullptr},
+      Double("HVDLITE_STRAGGLER_REPORT_SECONDS", "straggler_report_seconds", false, 0.0, "seconds >= 0 (0 disables)",
+             &Config::straggler_report_seconds),
+      Double("HVDLITE_STRAGGLER_MIN_LAG_MS", "straggler_min_lag_ms", true, 0.0, "milliseconds >= 0",
+             &Config::straggler_min_lag_ms),
+      Int("HVDLITE_FLIGHT_RECORDER_ROUNDS", "flight_recorder_rounds", false, 0, 100000,
+          "a number of rounds from 0 to 100000", &Config::flight_recorder_rounds),
       Int("HVDLITE_TEST_FORGET_CACHE_AT_ROUND", nullptr, false, 0, kNoMax, "a round number >= 0",
           &Config::test_forget_cache_round),
   };

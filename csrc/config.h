@@ -79,6 +79,14 @@ struct Config {
   // in controller.h): "size" (every rank of the set, as horovod.torch and DDP's Join) or
   // "contributors" (only the ranks that submitted data).
   bool average_over_contributors = false;
+  // HVDLITE_STRAGGLER_REPORT_SECONDS: rank 0 logs the consistently last rank this often (Note
+  // [Straggler attribution] in recorder.h); 0 (default) never.
+  double straggler_report_seconds = 0.0;
+  // HVDLITE_STRAGGLER_MIN_LAG_MS: the median lag below which no rank is called a straggler.
+  double straggler_min_lag_ms = 10.0;
+  // HVDLITE_FLIGHT_RECORDER_ROUNDS: rounds each engine remembers for dumps (Note [Flight
+  // record] in recorder.h); 0 remembers none.
+  int64_t flight_recorder_rounds = 64;
   // HVDLITE_TEST_FORGET_CACHE_AT_ROUND: a test hook (per rank): after this many negotiation
   // rounds this rank's controller forgets its response cache, so its state diverges from the
   // other ranks' the way a bug would make it (Note [Agreement digest] in engine.h). -1: never.

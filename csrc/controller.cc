@@ -1,5 +1,7 @@
 #include "controller.h"
 
+#include "fusion.h"
+
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
@@ -426,6 +428,16 @@ ReadyItem Controller::MakeReady(Pending& pending) {
     }
   }
   item.contributors = static_cast<int>(ranks.size());
+  if (ranks.size() > 1) {  // Note [Straggler attribution]
+    int64_t first = requests.front().submitted_us, last = first;
+    item.last_rank = ranks.front();
+    for (size_t i = 1; i < requests.size(); ++i) {
+      const int64_t t = requests[i].submitted_us;
+      first = std::min(first, t);
+      if (t > last) last = t, item.last_rank = ranks[i];
+    }
+    item.lag_us = last - first;
+  }
   item.average_divisor = average_over_contributors_ ? item.contributors : size_;
   // The lowest submitting rank's request becomes the item's, moved in last (payloads go to
   // item.payloads, not into the agreed request).

@@ -63,6 +63,7 @@
 
 #include "message.h"
 #include "ready_item.h"
+#include "recorder.h"
 #include "response_cache.h"
 #include "status.h"
 
@@ -85,6 +86,9 @@ class Controller {
   RoundResult ProcessRound(std::vector<RankMessage> messages);
 
   size_t pending_count() const { return pending_.size(); }
+  // Note [Flight record]: the names some ranks submitted and others not, in arrival order,
+  // with how long they have waited by `now_ms` (rank 0's clock).
+  std::vector<PendingCollective> PendingView(int64_t now_ms) const;
   // Note [Response cache]: how `rank` may abbreviate a request, and how to expand it.
   int32_t CacheLookup(int rank, const Request& request) const { return cache_.Lookup(rank, request); }
   bool CacheResolve(int rank, uint32_t id, Request* out) const { return cache_.Resolve(rank, id, out); }

@@ -52,7 +52,9 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
                 ChooseCpuRoute({Pointers(cpu_backends_), shm_.get(), cross_.get(), hierarchical_}),
                 cuda_backend_.get(), &queue_, &handles_, &timeline_),
       settings_digest_(JobWideDigest(config)),
-      params_{config.fusion_threshold_bytes, config.cycle_time_ms} {
+      params_{config.fusion_threshold_bytes, config.cycle_time_ms},
+      recorder_(size, config.flight_recorder_rounds, config.straggler_min_lag_ms),
+      last_exchange_end_us_(MonotonicMicros()) {
   if (shm_) shm_->YieldWhile(queue_.waiting());  // Note [Yield only while a caller waits]
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
@@ -96,6 +98,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     entry.input = std::move(a.input);
     entry.output = std::move(a.output);
     entry.enqueued_us = MonotonicMicros();
+    r.submitted_us = entry.enqueued_us;  // Note [Submission times]
     entry.bytes = entry.input.numel() * static_cast<int64_t>(entry.input.element_size());
     entries.push_back(std::move(entry));
   }
@@ -225,6 +228,7 @@ void Engine::Loop() {
   bool stuck = false;
   while (true) {
     ApplyTimelineRequest();  // hvd.start_timeline / stop_timeline
+    ServePendingRequest();   // Note [Flight record]
     // Note [Cycle policy]
     const bool has_new = queue_.HasNew();
     const bool waiting = queue_.HasInFlight();
@@ -310,6 +314,12 @@ Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {
 RankMessage Engine::ComposeMessage() {
   RankMessage mine;
   mine.clock_ms = NowMs();
+  mine.base_us = last_exchange_end_us_;  // Note [Submission times]
+  if (propagates_signals_) {  // Note [Dump requests]
+    const uint64_t signals = DumpSignals();
+    if (signals != signals_sent_) mine.flags |= kFlagDump;
+    signals_sent_ = signals;
+  }
   mine.settings_digest = settings_digest_;
   mine.state_digest = controller_.Digest();
   if (shutdown_requested_) {
@@ -342,6 +352,10 @@ Status Engine::DecodeRound(const std::vector<std::string>& raw, std::vector<Rank
                         {r});
     }
     const RankMessage& message = (*messages)[r];
+    if (message.flags & kFlagDump) {
+      std::lock_guard<std::mutex> lock(label_mu_);
+      RingDump(label_ + "-r" + std::to_string(rounds_), "rank " + std::to_string(r) + " got a dump signal");
+    }
     if (message.flags & kFlagShutdown) {
       shutting_down.push_back(r);
       if (message.flags & kFlagReset) reset = true;
@@ -352,6 +366,11 @@ Status Engine::DecodeRound(const std::vector<std::string>& raw, std::vector<Rank
     }
   }
   if (messages->front().flags & kFlagTuned) params_ = messages->front().tuned;  // Note [Autotune]
+  // Note [Submission times]: onto rank 0's clock.
+  const int64_t base = messages->front().base_us;
+  for (RankMessage& message : *messages) {
+    for (Request& request : message.requests) request.submitted_us += base;
+  }
   if (shutting_down.empty()) return Status::Ok();
   // Kept until the round is executed: the operations it decided complete first.
   return Status::Of(reset ? StatusCode::kReset : StatusCode::kShutdown, "", "",
@@ -365,8 +384,18 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   RankMessage mine = ComposeMessage();
   const bool debug = logger_.Enabled(LogLevel::kDebug);
   const auto t0 = Clock::now();
-  std::vector<std::string> raw = channel_.Exchange(EncodeRankMessage(
-      mine, [this](const Request& r) { return controller_.CacheLookup(rank_, r); }));
+  int64_t cache_hits = 0;
+  const size_t sent = mine.requests.size();
+  const bool recording = recorder_.enabled();
+  if (recording) recorder_.SetActivity("negotiating round " + std::to_string(rounds_), MonotonicMicros());
+  std::vector<std::string> raw = channel_.Exchange(EncodeRankMessage(mine, [this, &cache_hits](const Request& r) {
+    const int32_t id = controller_.CacheLookup(rank_, r);
+    cache_hits += id >= 0;
+    return id;
+  }));
+  const int64_t exchanged_us = MonotonicMicros();
+  const int64_t my_base_us = last_exchange_end_us_;
+  last_exchange_end_us_ = exchanged_us;
   Status agreement = CheckDigests(raw);
   if (!agreement.ok()) {
     Stop(agreement);
@@ -379,20 +408,54 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
     return false;
   }
   const auto t1 = Clock::now();
+  // The job's clock (rank 0's) now: its end of the previous exchange plus our time since ours.
+  const int64_t job_base_us = messages.front().base_us;
+  job_clock_ms_ = messages.front().clock_ms;
+  job_clock_local_ms_ = NowMs();
   RoundResult round = controller_.ProcessRound(std::move(messages));
   if (!round.stall_warning.empty()) logger_.Log(LogLevel::kWarning, round.stall_warning);
   const size_t ready = round.ready.size();
+  const int64_t at_us = job_base_us + (exchanged_us - my_base_us);
+  if (!round.quiet || !round.stall_warning.empty()) AfterDecisions(round, at_us);
   std::vector<Batch> batches = PlanBatches(std::move(round.ready), params_.fusion_threshold_bytes);
   const auto t2 = Clock::now();
+  if (recording) {
+    recorder_.RecordNegotiation(std::chrono::duration<double>(t2 - t0).count(), cache_hits,
+                                static_cast<int64_t>(sent) - cache_hits, !round.stall_warning.empty());
+  }
+  if (recording && !batches.empty()) {
+    recorder_.RecordDecisions(rounds_, at_us, batches, params_.fusion_threshold_bytes,
+                              [this](const Batch& b) { return TransportOf(b); });
+  }
   if (timeline_.enabled() && !round.quiet) {
+    // Note [Straggler attribution]: the round's last rank and how late it was.
+    int last = -1;
+    int64_t lag = 0;
+    for (const Batch& batch : batches) {
+      for (const ReadyItem& item : batch.items) {
+        if (item.last_rank >= 0 && item.lag_us >= lag) last = item.last_rank, lag = item.lag_us;
+      }
+    }
     timeline_.Marker("rounds", "round", MonotonicMicros(),
                      "{\"sent\": " + std::to_string(mine.requests.size()) + ", \"ready\": " +
-                         std::to_string(ready) + ", \"batches\": " + std::to_string(batches.size()) + "}");
+                         std::to_string(ready) + ", \"batches\": " + std::to_string(batches.size()) +
+                         ", \"last_rank\": " + std::to_string(last) + ", \"lag_ms\": " +
+                         std::to_string(lag / 1000.0) + "}");
   }
   int64_t moved = 0;
   for (const Batch& batch : batches) {
+    const ReadyItem& first = batch.items.front();
+    if (recording && !first.inlined)  // Note [Flight record]: what the thread may wait in (inlined data has arrived)
+      recorder_.SetActivity(std::string("running ") + KindName(first.request.kind) + " '" + first.request.name + "'" +
+                              (batch.items.size() > 1 ? " and " + std::to_string(batch.items.size() - 1) + " more" : "") +
+                              " over " + TransportOf(batch),
+                          MonotonicMicros());
     executor_.Execute(batch);
-    if (!batch.items.front().inlined) moved += batch.bytes;
+    if (!first.inlined) moved += batch.bytes;
+  }
+  if (recording && !batches.empty()) {
+    recorder_.RecordRoundTime(std::chrono::duration<double>(Clock::now() - t0).count());
+    recorder_.SetActivity("idle after round " + std::to_string(rounds_), MonotonicMicros());
   }
   if (tuner_ && !round.quiet) RecordForAutotune(moved);
   if (debug && !round.quiet) {

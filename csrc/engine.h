@@ -65,6 +65,7 @@
 #include "controller.h"
 #include "executor.h"
 #include "logging.h"
+#include "recorder.h"
 #include "tensor_queue.h"
 #include "timeline.h"
 
@@ -139,6 +140,16 @@ class Engine {
   }
   bool hierarchical() const { return hierarchical_; }
 
+  // Note [Straggler attribution], [Flight record] and [Metrics]: read by Python threads.
+  const Recorder& recorder() const { return recorder_; }
+  void set_recording(bool on) { recorder_.set_enabled(on); }
+  // Note [Dump requests]: `label` names this engine's dumps ("global", "set1", ...); the
+  // global engine also tells the other ranks when this process got a dump signal.
+  void SetLabel(const std::string& label, bool propagates_signals);
+  // Note [Flight record]: the collectives pending now, from the background thread within
+  // `timeout_s`; false (and `pending` untouched) if the thread did not answer in time.
+  bool PendingNow(double timeout_s, std::vector<PendingCollective>* pending);
+
  private:
   // A completed handle's result for its caller (the error it carries, or its output).
   Status TakeResult(Completion* completion, at::Tensor* output, std::vector<int64_t>* aux);
@@ -182,6 +193,23 @@ class Engine {
   std::unique_ptr<Autotuner> tuner_;  // rank 0 with HVDLITE_AUTOTUNE=1 only
   std::atomic<bool> shutdown_requested_{false};
   void ApplyTimelineRequest();
+  void ServePendingRequest();
+  // Note [Metrics]: the way `batch` travels ("shared_memory", "gloo", "inline", ...).
+  std::string TransportOf(const Batch& batch) const;
+  // After a round that decided something: dumps for stalls, the straggler line.
+  void AfterDecisions(const RoundResult& round, int64_t at_us);
+  Recorder recorder_;
+  int64_t last_exchange_end_us_ = 0;  // Note [Submission times]
+  int64_t job_clock_ms_ = 0, job_clock_local_ms_ = 0;  // rank 0's clock at the last round, and ours
+  uint64_t signals_sent_ = 0;          // Note [Dump requests]
+  std::mutex label_mu_;
+  std::string label_ = "engine";       // under label_mu_
+  std::atomic<bool> propagates_signals_{false};
+  int64_t last_straggler_line_ms_ = 0;
+  std::mutex pending_mu_;
+  std::condition_variable pending_cv_;
+  uint64_t pending_requested_ = 0, pending_served_ = 0;  // under pending_mu_
+  std::vector<PendingCollective> pending_view_;         // under pending_mu_
   std::mutex timeline_mu_;
   std::condition_variable timeline_cv_;
   std::string timeline_path_;              // under timeline_mu_

@@ -1,5 +1,6 @@
 #include "message.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace hvdlite {
@@ -126,6 +127,12 @@ bool ReadPayload(Reader& in, Request* r) {
   return in.GetString(&r->payload, kMaxPayloadBytes);
 }
 
+// Note [Submission times]: microseconds from `base_us` to `submitted_us`, clamped.
+int32_t SinceBase(int64_t submitted_us, int64_t base_us) {
+  constexpr int64_t kLimit = 2100000000;  // 35 minutes
+  return static_cast<int32_t>(std::max(-kLimit, std::min(kLimit, submitted_us - base_us)));
+}
+
 void WritePayload(Writer& out, const Request& r) {
   out.Put<uint8_t>(r.inlined ? 1 : 0);
   out.PutString(r.payload);
@@ -152,6 +159,7 @@ std::string EncodeRankMessage(const RankMessage& message, const CacheLookup& loo
   out.Put<uint64_t>(message.state_digest);
   out.Put<uint32_t>(message.flags);
   out.Put<int64_t>(message.clock_ms);
+  out.Put<int64_t>(message.base_us);
   if (message.flags & kFlagTuned) {
     out.Put<int64_t>(message.tuned.fusion_threshold_bytes);
     out.Put<double>(message.tuned.cycle_time_ms);
@@ -160,13 +168,16 @@ std::string EncodeRankMessage(const RankMessage& message, const CacheLookup& loo
   out.Put<uint32_t>(static_cast<uint32_t>(message.requests.size()));
   for (const Request& r : message.requests) {
     const int32_t id = lookup ? lookup(r) : -1;
+    const int32_t since = SinceBase(r.submitted_us, message.base_us);
     if (id >= 0) {
       out.Put<uint8_t>(r.inlined ? kTagCachedInline : kTagCached);
+      out.Put<int32_t>(since);
       out.Put<uint32_t>(static_cast<uint32_t>(id));
       if (r.inlined) out.PutString(r.payload);
       continue;
     }
     out.Put<uint8_t>(kTagFull);
+    out.Put<int32_t>(since);
     out.PutString(r.name);
     out.Put<uint8_t>(static_cast<uint8_t>(r.kind));
     out.Put<int8_t>(r.dtype);
@@ -199,7 +210,7 @@ Status DecodeRankMessage(const char* data, size_t size, RankMessage* out,
   };
   if (!in.Get(&magic) || magic != kMagic || !in.Get(&message.settings_digest) ||
       !in.Get(&message.state_digest) || !in.Get(&message.flags) ||
-      !in.Get(&message.clock_ms) || !read_tuned() ||
+      !in.Get(&message.clock_ms) || !in.Get(&message.base_us) || !read_tuned() ||
       ((message.flags & kFlagShutdown) && !in.GetString(&message.shutdown_reason, kMaxReasonBytes)) ||
       !in.Get(&count) || count > kMaxRequests) {
     return Status(StatusCode::kInternal, "malformed control message header (" +
@@ -208,11 +219,13 @@ Status DecodeRankMessage(const char* data, size_t size, RankMessage* out,
   message.requests.resize(count);
   for (uint32_t i = 0; i < count; ++i) {
     uint8_t tag = 0;
-    bool ok = in.Get(&tag);
+    int32_t since = 0;
+    bool ok = in.Get(&tag) && in.Get(&since);
     if (ok && (tag == kTagCached || tag == kTagCachedInline)) {
       uint32_t id = 0;
       Request& r = message.requests[i];
       ok = in.Get(&id) && resolve && resolve(id, &r);
+      r.submitted_us = since;
       r.inlined = tag == kTagCachedInline;
       r.payload.clear();
       if (ok && r.inlined) ok = in.GetString(&r.payload, kMaxPayloadBytes);
@@ -228,6 +241,7 @@ Status DecodeRankMessage(const char* data, size_t size, RankMessage* out,
                                                std::to_string(i) + " of " +
                                                std::to_string(count) + " is corrupt");
     }
+    message.requests[i].submitted_us = since;
   }
   if (in.left() != 0) {
     return Status(StatusCode::kInternal, "malformed control message: " +

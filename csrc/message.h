@@ -38,6 +38,10 @@ struct Request {
   // data collective is needed. `inlined` without bytes: a broadcast receiver that accepts this.
   bool inlined = false;
   std::string payload;
+  // Note [Submission times]: when the sender enqueued it. On the sender, its own monotonic
+  // clock; after DecodeRankMessage, microseconds after the sender's `base_us`; once the engine
+  // has decoded a round, the job's clock (rank 0's). Not negotiated: not part of SameAs.
+  int64_t submitted_us = 0;
 
   // Equality of everything negotiated (the payload is data, not part of the agreement).
   bool SameAs(const Request& other) const;
@@ -54,11 +58,12 @@ enum RankMessageFlags : uint32_t {
   kFlagHasOutstanding = 1u << 1,  // this rank waits on requests that are not complete yet
   kFlagTuned = 1u << 2,           // rank 0 only: `tuned` holds the parameters for this round
   kFlagReset = 1u << 3,           // with kFlagShutdown: a reset; pending work fails with kReset
+  kFlagDump = 1u << 4,            // this process got a dump signal (Note [Dump requests] in recorder.h)
 };
 
 // Note [Protocol version]: the first four bytes of every control message; ranks running
 // builds that speak different protocols are refused at hvd.init(), before any round.
-constexpr uint32_t kProtocolVersion = 4;
+constexpr uint32_t kProtocolVersion = 5;
 
 struct RankMessage {
   uint32_t flags = 0;
@@ -67,12 +72,27 @@ struct RankMessage {
   uint64_t settings_digest = 0;
   uint64_t state_digest = 0;
   int64_t clock_ms = 0;  // the sender's monotonic clock; rank 0's is the job's clock for stalls
+  // Note [Submission times]: the sender's monotonic clock (microseconds) when its previous
+  // round's exchange ended; each request's submission time travels relative to it.
+  int64_t base_us = 0;
   TunedParams tuned;     // with kFlagTuned (Note [Autotune] in autotune.h)
   // With kFlagShutdown: why this rank shuts down, e.g. "exiting after RuntimeError: ..." (may
   // be empty); the others' errors quote it (Note [Failure reports] in hvdlite/_runtime/failure.py).
   std::string shutdown_reason;
   std::vector<Request> requests;
 };
+
+// Note [Submission times]
+// Straggler attribution (straggler.h) compares when each rank submitted a tensor, and the ranks'
+// clocks are not comparable (other hosts have other monotonic clocks). What every rank does
+// see at nearly the same instant is the end of a round's exchange: the collective returns on
+// every rank within its latency (microseconds on one host, a network round trip across
+// hosts). So each rank sends, with every request, how long after the end of its previous
+// exchange it was submitted (clamped to +-35 minutes; a request is taken at most one round
+// after it was pushed, so only the first round of an engine comes near), and receivers place
+// it on rank 0's clock by adding rank 0's own end of that exchange. Every rank computes the
+// same times from the same messages, so every rank's straggler figures agree. The error is the
+// spread of the exchange's end across ranks, far below the lags worth reporting.
 
 // Reads only the digests at the front of an encoded message, before anything is decoded with
 // the receiver's cache; false if the header is malformed.
