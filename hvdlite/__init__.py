@@ -24,6 +24,7 @@ _EXPORTS = {
          "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
          "mpi_threads_supported", "nccl_built", "rank", "shutdown", "size"], "basics"),
     "Compression": "compression",
+    **dict.fromkeys(["flight_record", "straggler_report"], "insight"),
     **dict.fromkeys(
         ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
          "grouped_allreduce", "grouped_reducescatter", "reducescatter"], "differentiable"),

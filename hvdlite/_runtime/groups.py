@@ -189,4 +189,9 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
         raise RankFailureError(f"hvdlite.init(): rank {rank} could not connect its process groups to "
                                f"the other ranks: {exc}{hint}", op="init") from None
     engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm, cross, hierarchical)
+    # Note [Dump requests] (csrc/recorder.h): its dumps' name; the global engine also tells
+    # the other ranks when this process gets a dump signal.
+    engine.set_label(timeline_label or tag, tag == "global")
+    if os.environ.get("HVDLITE_FLIGHT_RECORDER", "1") == "0":  # Note [Dump files] in recorder.py
+        engine.set_recording(False)
     return engine, (control, cpu, cuda, cross)
