@@ -63,5 +63,6 @@ setup(
     # cloudpickle: broadcast_object / allgather_object of lambdas and local classes; pyyaml:
     # hvdliterun --config-file (horovodrun's YAML). horovod.torch depends on both too.
     install_requires=["cloudpickle", "pyyaml"],
-    extras_require={"ray": ["ray[train]"], "lightning": ["lightning>=2.1"], "accelerate": ["accelerate"]},
+    extras_require={"ray": ["ray[train]"], "lightning": ["lightning>=2.1"], "accelerate": ["accelerate"],
+                    "metrics": ["prometheus_client"]},
 )

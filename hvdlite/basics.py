@@ -29,6 +29,8 @@ from ._runtime import elastic_worker as _elastic_worker
 from ._runtime import failure as _failure
 from ._runtime import groups as _groups
 from ._runtime import liveness as _liveness
+from ._runtime import metrics as _metrics
+from ._runtime import recorder as _recorder
 from ._runtime import settings as _settings
 from ._runtime import state as _state
 from ._job import keys, launchers, place as _place
@@ -154,6 +156,8 @@ def init(comm=None, process_sets=None):
             # ("terminate called without an active exception"); shutting down at exit fixed it.
             atexit.register(_shutdown_at_exit)
             _state.process.atexit_registered = True
+    _recorder.start(rank())  # Note [Dump files]
+    _metrics.start()   # Note [Metrics]: only with HVDLITE_METRICS_PORT
     if comm is not None and sorted(int(r) for r in comm) != list(range(size())):
         ranks, job = sorted(int(r) for r in comm), size()
         shutdown()

@@ -39,6 +39,8 @@ _MADE = []
 def _shutdown_at_exit():
     while _MADE:
         _MADE.pop().shutdown()
+    from ._runtime import state as _state
+    _state.process.backend_engines.clear()
 
 
 def _create(store, rank, size, timeout):
@@ -70,6 +72,9 @@ def _create(store, rank, size, timeout):
                                      timeline_label=f"pg{len(_MADE)}")
     backend = _core.torch_backend(engine)
     _MADE.append(backend)
+    from ._runtime import recorder as _recorder, state as _state
+    _state.process.backend_engines.append((f"pg{len(_MADE) - 1}", engine))  # Note [Dump files]
+    _recorder.start(rank)
     return backend
 
 

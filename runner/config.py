@@ -28,6 +28,8 @@ class CoreKnobs:
     cache_capacity: Optional[int] = None
     log_level: Optional[str] = None
     hierarchical_allreduce: bool = False
+    straggler_report_seconds: Optional[float] = None
+    metrics_port: Optional[int] = None
 
     def core_env(self) -> Dict[str, str]:
         env = {}
@@ -55,6 +57,10 @@ class CoreKnobs:
             env["HVDLITE_LOG_LEVEL"] = self.log_level
         if self.hierarchical_allreduce:
             env["HVDLITE_HIERARCHICAL_ALLREDUCE"] = "1"
+        if self.straggler_report_seconds is not None:
+            env["HVDLITE_STRAGGLER_REPORT_SECONDS"] = f"{self.straggler_report_seconds:g}"
+        if self.metrics_port is not None:
+            env["HVDLITE_METRICS_PORT"] = str(self.metrics_port)
         return env
 
 

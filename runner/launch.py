@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--no-network-discovery", action="store_true",
                      help="on many hosts: skip network discovery and leave the choice of "
                           "interfaces to Gloo and NCCL's defaults")
+    job.add_argument("--dump", nargs="?", const="", metavar="JOB_DIR",
+                     help="instead of starting a job: make a running one (the newest on this machine, "
+                          "or the one whose job directory is JOB_DIR) write a flight-recorder dump, and "
+                          "print the merged report: pending collectives, missing ranks and where they are")
     job.add_argument("--verbose", action="store_true",
                      help="log what the launcher does and set HVDLITE_LOG_LEVEL=debug")
     job.add_argument("-cb", "--check-build", action="store_true",
@@ -215,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "(HVDLITE_STALL_SHUTDOWN_TIME_SECONDS)")
     core.add_argument("--no-stall-check", dest="stall_check", action="store_false", default=None,
                       help="no stall warnings or failures (both times 0)")
+    core.add_argument("--straggler-report", type=_positive_float, metavar="SECONDS",
+                      dest="straggler_report_seconds",
+                      help="rank 0 logs the consistently slowest rank this often "
+                           "(HVDLITE_STRAGGLER_REPORT_SECONDS)")
+    core.add_argument("--metrics-port", type=_port, metavar="BASE",
+                      help="each rank serves Prometheus metrics on BASE + its local rank "
+                           "(HVDLITE_METRICS_PORT; needs prometheus_client)")
     core.add_argument("--cache-capacity", type=_non_negative_int, metavar="N",
                       help="names remembered by the response cache (HVDLITE_CACHE_CAPACITY)")
     core.add_argument("--disable-cache", action="store_true",
@@ -279,7 +290,7 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         raise UsageError(f"{flag}: hvdlite has no MPI or jsrun controller; hvdliterun starts the ranks "
                          "itself (drop the flag), and jobs under mpirun or jsrun can call hvd.init() "
                          "directly")
-    if args.version or args.check_build:
+    if args.version or args.check_build or args.dump is not None:
         return None, args
     if args.config_file:
         from .config_file import ConfigFileError, read
@@ -345,6 +356,8 @@ def parse_config(argv: Sequence[str]) -> Tuple[Optional[JobConfig], argparse.Nam
         cache_capacity=0 if args.disable_cache else args.cache_capacity,
         log_level=args.log_level,
         hierarchical_allreduce=args.hierarchical_allreduce,
+        straggler_report_seconds=args.straggler_report_seconds,
+        metrics_port=args.metrics_port,
     )
     extra_env = {}
     if args.gloo_timeout_seconds is not None:
@@ -400,6 +413,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         return _usage_error(str(exc))
     if config is None:
+        if args.dump is not None:
+            from .dump import dump_command
+            return dump_command(args.dump, sys.stdout, sys.stderr)
         if args.version:
             from hvdlite import __version__
             print(f"hvdlite {__version__}")

@@ -14,6 +14,7 @@ import signal
 from typing import Callable, Dict, Mapping, Optional, Sequence
 
 from .config import JobConfig
+from .dump import DumpReporter, new_job_dir
 from .environment import exportable
 from .hosts import SlotInfo
 from .network import address_towards, advertised_address, interface_address
@@ -45,11 +46,15 @@ class LaunchSession:
         self.bind, self.addr = rendezvous_binding(config, first_remote)
         self.server = RendezvousServer(new_secret(), host=self.bind, addr=self.addr).start()
         self.group = WorkerGroup(mux, config.grace_period)
+        # Note [Job directory] (dump.py): where the ranks' dumps go, and their merged reports
+        self.job_dir = new_job_dir()
+        self.reporter = DumpReporter(self.server, self.job_dir, mux.write_line).start()
 
     def base_environment(self, environ: Mapping[str, str], network_env: Mapping[str, str]) -> Dict[str, str]:
         """What every rank's environment starts from: the launcher's, the network plan's
         variables, then --env and the config file's (which win)."""
         env = dict(environ)
+        env.setdefault("HVDLITE_JOB_DIR", self.job_dir)
         env.update(network_env)
         env.update(self.config.extra_env)
         return env
@@ -71,5 +76,17 @@ class LaunchSession:
             log(f"stopping ranks {running} with {signal.Signals(sig).name}")
             self.group.stop(sig, interrupted)
         self.mux.drain(timeout=5.0)
+        self.reporter.stop()
         self.server.stop()
+        _tidy(self.job_dir)
         return running
+
+
+def _tidy(job_dir: str) -> None:
+    """Note [Job directory]: the registrations go with the job; dumps stay for the user."""
+    import shutil
+    shutil.rmtree(os.path.join(job_dir, "ranks"), ignore_errors=True)
+    try:
+        os.rmdir(job_dir)  # only if nothing else is in it
+    except OSError:
+        pass

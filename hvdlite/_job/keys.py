@@ -50,3 +50,12 @@ def elastic_notice(generation):
 
 
 ELASTIC_DURABLE = "elastic/durable"
+
+
+# Note [Dump files] (_runtime/recorder.py): a rank's flight-recorder record for one dump, and
+# the id of the newest dump (the launcher's reporter watches it).
+def dump(ident, rank):
+    return f"dumps/{ident}/{rank}"
+
+
+DUMP_LATEST = "dumps/latest"

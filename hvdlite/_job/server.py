@@ -55,6 +55,18 @@ class _Handshake:
         self.deadline = time.monotonic() + HANDSHAKE_DEADLINE
 
 
+def _by_rank(values) -> Dict[int, dict]:
+    """JSON records that name their rank, by rank; malformed ones are skipped."""
+    records = {}
+    for value in values:
+        try:
+            record = json.loads(value)
+            records[int(record["rank"])] = record
+        except (ValueError, KeyError, TypeError):
+            continue
+    return records
+
+
 def connect(addr, port, secret, rank=-1, timeout=None):
     """hvdlite._runtime.store.connect (imports torch only when called)."""
     from hvdlite._runtime.store import connect as connect_store
@@ -89,6 +101,10 @@ class _KeyTable:
     def items_ending(self, suffix: bytes) -> Dict[bytes, bytes]:
         with self._lock:
             return {k: v for k, v in self._data.items() if k.endswith(suffix)}
+
+    def items_starting(self, prefix: bytes) -> Dict[bytes, bytes]:
+        with self._lock:
+            return {k: v for k, v in self._data.items() if k.startswith(prefix)}
 
     def put(self, key: bytes, value: bytes) -> None:
         with self._lock:
@@ -238,17 +254,14 @@ class RendezvousServer:
         """The value under `key`, or None when nobody has set it (never waits)."""
         return self._table.peek(key.encode())
 
+    def records_under(self, prefix: str) -> Dict[int, dict]:
+        """The JSON records (each with its "rank") stored under `prefix`, by rank (never waits)."""
+        return _by_rank(self._table.items_starting(prefix.encode()).values())
+
     def failure_records(self) -> Dict[int, dict]:
         """Every rank's failure report (Note [Failure reports] in hvdlite/_runtime/failure.py)."""
-        records = {}
-        for key, value in self._table.items_ending(b"").items():
-            if keys.is_failure(key.decode(errors="replace")):
-                try:
-                    record = json.loads(value)
-                    records[int(record["rank"])] = record
-                except (ValueError, KeyError, TypeError):
-                    continue
-        return records
+        return _by_rank(value for key, value in self._table.items_ending(b"").items()
+                        if keys.is_failure(key.decode(errors="replace")))
 
     def rank_host(self, rank: int) -> Optional[str]:
         """The host name `rank` published at hvd.init() (hvdlite/_runtime/liveness.py), if any."""

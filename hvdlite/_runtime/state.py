@@ -71,6 +71,7 @@ class ElasticWorker:
     assignment: dict = None   # the launcher's latest answer
     generation: int = None    # the launcher's number of the generation last assigned
     notified: set = dataclasses.field(default_factory=set)  # generations told the hosts changed
+    resets: int = 0           # resets this process went through (Note [Metrics])
 
 
 @dataclasses.dataclass
@@ -86,6 +87,11 @@ class Process:
     failure_report: dict = None  # this process's failure, once reported (Note [Failure reports])
     member_names: dict = dataclasses.field(default_factory=dict)  # ops: (group, count) -> names
     elastic: ElasticWorker = dataclasses.field(default_factory=ElasticWorker)
+    recorder_thread: object = None  # Note [Dump files] in _runtime/recorder.py, once started
+    recorder_pidfiles: set = dataclasses.field(default_factory=set)  # this process's registrations
+    recorder_stopping: object = dataclasses.field(default_factory=threading.Event)  # set at exit
+    backend_engines: list = dataclasses.field(default_factory=list)  # (label, engine) of hvdlite process groups
+    metrics_server: object = None   # Note [Metrics] in _runtime/metrics.py, once serving
 
 
 process = Process()

@@ -22,6 +22,7 @@ import sys
 
 from .. import basics
 from .._runtime import elastic_worker as _elastic_worker
+from .._runtime import state as _state
 from ..exceptions import (HostsUpdatedInterrupt, HvdliteError, MismatchError, NotInitializedError,
                           ObjectPicklingError, WorkerRemoved)
 from .sampler import ElasticSampler
@@ -39,6 +40,7 @@ _NOT_RESETTABLE = (MismatchError, NotInitializedError, ValueError, TypeError, Ob
 
 def _reset(state, reason, lost):
     """Leaves this generation and joins the next (Note [Elastic rendezvous])."""
+    _state.process.elastic.resets += 1  # Note [Metrics]
     basics.shutdown()
     if not _elastic_worker.enabled():
         raise RuntimeError("hvdlite.elastic.run: a reset needs the elastic launcher "
