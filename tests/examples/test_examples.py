@@ -120,3 +120,13 @@ def test_lightning_digits_two_ranks_reach_one_process_accuracy_within_a_point():
     assert "on 2 rank(s)" in pair
     assert abs(number(r"test accuracy: ([\d.]+)%", pair) - alone) <= 1.0, (alone, pair[-500:])
     assert alone > 90.0
+
+
+def test_slow_rank_example_names_the_slow_rank():
+    """examples/slow_rank.py, as the README's "Seeing inside a job" runs it (3 ranks; 60 steps)."""
+    out = run_example("slow_rank.py", "--slow-rank", 2, "--sleep", 0.05, np=3)
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"rank (\d): last in .*", out)}
+    assert sorted(lines) == [0, 1, 2], out[-2000:]
+    assert lines[2].endswith("<- straggler"), lines
+    assert not lines[0].endswith("<- straggler") and not lines[1].endswith("<- straggler"), lines
+    assert 40.0 <= number(r"rank 2: last in \d+% of \d+ rounds, lag median ([\d.]+) ms", out) <= 60.0
