@@ -174,8 +174,11 @@ def collect(ident, reasons, state):
             records[label] = {"rank": engine.rank, "size": engine.size, **engine.flight_record(PENDING_TIMEOUT)}
         except Exception as exc:  # noqa: BLE001 - a stopped engine still leaves the rest
             records[label] = {"error": repr(exc)}
-    rank = state.topology.rank if state is not None else int(os.environ.get("HVDLITE_RANK", "0") or 0)
-    size = state.topology.size if state is not None else None
+    if state is not None:
+        rank, size = state.topology.rank, state.topology.size
+    else:  # only torch.distributed groups of the backend: the first one's rank and size
+        first = next(iter(engines(state)), None)
+        rank, size = (first[1].rank, first[1].size) if first else (os.getpid(), None)
     return {"id": ident, "reasons": reasons, "rank": rank, "size": size, "host": socket.gethostname(),
             "pid": os.getpid(), "time": time.time(), "engines": records, "threads": threads, "where": where}
 
@@ -192,9 +195,10 @@ def write(rings, count):
     data = json.dumps(record)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"rank{record['rank']}.json")
-    with open(path + ".tmp", "w") as f:
+    scratch = f"{path}.{os.getpid()}.tmp"
+    with open(scratch, "w") as f:
         f.write(data)
-    os.replace(path + ".tmp", path)
+    os.replace(scratch, path)
     _deliver(ident, record["rank"], data)
     return path
 

@@ -167,3 +167,42 @@ def test_dump_without_a_running_job_says_so(tmp_path):
     dumped = subprocess.run(LAUNCH + ["--dump", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=30)
     assert dumped.returncode == 1
     assert "no live rank" in dumped.stderr, dumped.stderr
+
+
+def backend_timeout():
+    """A process group of the hvdlite backend whose timeout passes: the dump files name it."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import hvdlite  # noqa: F401  (registers the backend)
+    rank, size = int(os.environ["HVDLITE_RANK"]), int(os.environ["HVDLITE_SIZE"])
+    for name in ("HVDLITE_RANK", "HVDLITE_SIZE"):  # a plain torch.distributed job
+        os.environ.pop(name)
+    timeout = datetime.timedelta(seconds=2)
+    store = dist.TCPStore("127.0.0.1", int(os.environ["HVDLITE_RENDEZVOUS_PORT"]), size, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group("hvdlite", store=store, rank=rank, world_size=size, timeout=timeout)
+    if rank == 1:
+        time.sleep(4)  # past the group's timeout
+    try:
+        dist.all_reduce(torch.ones(2))
+        result = "no error"
+    except dist.DistBackendError as exc:
+        result = str(exc)
+    time.sleep(1)  # the recorder thread writes while this rank waits
+    dist.destroy_process_group()
+    return result
+
+
+def test_a_process_group_timeout_of_the_backend_writes_a_dump(tmp_path):
+    job_dir = tmp_path / "job"
+    results = Job(2, "tests.insight.test_flight_recorder", "backend_timeout",
+                  env={"HVDLITE_JOB_DIR": str(job_dir)}).wait(timeout=60)
+    assert "missing rank 1" in results[0], results
+    from hvdlite._job import dumps as merge
+    found = [merge.read_dir(str(job_dir / "dumps" / d)) for d in os.listdir(job_dir / "dumps")]
+    records = [r for f in found for r in f.values() if any("stalled for" in why for why in r["reasons"])]
+    assert records, found
+    assert "pg0" in records[0]["engines"], records[0]["engines"].keys()
