@@ -296,3 +296,20 @@ def test_hierarchical_allreduce_across_hosts_with_uneven_ranks_per_host(hosts):
     out = result.stdout + result.stderr
     assert result.returncode == 0 and len(lines(out, "hierarchical=False shared_memory=False")) == 5, out[-4000:]
     assert_nothing_left(hosts)
+
+
+def test_a_stall_across_hosts_gives_one_report_naming_the_missing_rank_and_its_line(hosts):
+    """The flight recorder (Note [Dump files] in hvdlite/_runtime/recorder.py): every host's
+    ranks send their records to the launcher's store, which merges them into one report."""
+    result = run_on(hosts, "hvta", launcher(hosts, "-H", "hvta:1,hvtb:2", sys.executable, "tests/multihost/stuck_job.py"),
+                    env={"HVDLITE_STALL_CHECK_TIME_SECONDS": "2", "SLEEP": "6"})
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert len(lines(out, "FINISHED")) == 3, out[-4000:]
+    assert "hvdliterun: 3 of 3 ranks wrote a record" in out, out[-4000:]
+    assert "submitted by ranks 0, 2; missing rank 1" in out, out[-4000:]
+    with open(os.path.join(REPO, "tests", "multihost", "stuck_job.py")) as f:
+        line = next(n for n, text in enumerate(f, 1) if "# rank 1 is stuck here" in text)
+    assert f"stuck_job.py:{line} in <module>: time.sleep(" in out, out[-4000:]
+    assert "(host hvtb," in out, out[-4000:]
+    assert_nothing_left(hosts)
