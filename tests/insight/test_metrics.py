@@ -6,7 +6,11 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from tests.harness import Job
+
+pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (pip install hvdlite[metrics])")
 
 SIZES = [3, 100, 70000, 1 << 20]  # float32 elements: inline, shared memory, fused or not
 
