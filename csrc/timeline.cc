@@ -68,6 +68,10 @@ void Timeline::Stop() {
 int Timeline::Row(const std::string& row) {
   auto it = rows_.find(row);
   if (it != rows_.end()) return it->second;
+  // A job that names every step's tensors anew (bench/soak.py: 100,000 names) would grow this
+  // table, and the process, by ~100 bytes a name: past kMaxRows names share one row.
+  constexpr size_t kMaxRows = 4096;
+  if (rows_.size() >= kMaxRows && row != kOverflowRow) return Row(kOverflowRow);
   const int tid = static_cast<int>(rows_.size()) + 1;
   rows_.emplace(row, tid);
   Write("{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " + std::to_string(rank_) +

@@ -32,6 +32,7 @@ class Timeline {
   void Marker(const std::string& row, const char* name, int64_t at_us, const std::string& args_json);
 
  private:
+  static constexpr const char* kOverflowRow = "(other tensors: more than 4096 names)";
   int Row(const std::string& row);
   void Write(const std::string& event);
 
