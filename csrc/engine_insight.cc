@@ -6,13 +6,6 @@
 #include "engine.h"
 
 namespace hvdlite {
-namespace {
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
 
 void Engine::SetLabel(const std::string& label, bool propagates_signals) {
   std::lock_guard<std::mutex> lock(label_mu_);
@@ -38,7 +31,7 @@ bool Engine::PendingNow(double timeout_s, std::vector<PendingCollective>* pendin
 void Engine::ServePendingRequest() {
   std::lock_guard<std::mutex> lock(pending_mu_);
   if (pending_served_ == pending_requested_) return;
-  pending_view_ = controller_.PendingView(job_clock_ms_ + (NowMs() - job_clock_local_ms_));
+  pending_view_ = controller_.PendingView(job_clock_ms_ + (MonotonicMicros() / 1000 - job_clock_local_ms_));
   pending_served_ = pending_requested_;
   pending_cv_.notify_all();
 }

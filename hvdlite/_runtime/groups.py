@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import liveness as _liveness
+from . import recorder as _recorder
 from .native import _core
 from ..exceptions import RankFailureError
 
@@ -192,6 +193,6 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
     # Note [Dump requests] (csrc/recorder.h): its dumps' name; the global engine also tells
     # the other ranks when this process gets a dump signal.
     engine.set_label(timeline_label or tag, tag == "global")
-    if os.environ.get("HVDLITE_FLIGHT_RECORDER", "1") == "0":  # Note [Dump files] in recorder.py
+    if not _recorder.enabled():  # HVDLITE_FLIGHT_RECORDER=0 (Note [Dump files] in recorder.py)
         engine.set_recording(False)
     return engine, (control, cpu, cuda, cross)
