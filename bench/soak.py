@@ -10,8 +10,10 @@ varied sizes and dtypes (sum, average, max), grouped allreduces, allgathers of u
 broadcasts from varied roots, alltoalls with uneven splits, and allreduces on a process set.
 Each result is compared with the value computed locally from the same formulas (every rank's
 input is a function of its rank and the step). Every --every operations each rank records its
-resident memory, open file descriptors and threads; rank 0 prints the samples and, at the end,
-the growth after the warm-up (the first fifth of the run). tests/reliability/test_soak_flat.py
+resident memory, open file descriptors, threads, C heap in use (glibc's mallinfo2) and Python's
+allocated blocks; rank 0 prints the samples and, at the end, the growth after the warm-up (the
+first fifth of the run). Resident memory includes the heap's fragmentation; the heap in use and
+the blocks count only what is allocated, so a leak shows in them first. tests/reliability/test_soak_flat.py
 runs a short version of the same routine.
 
 Measured on the 2-core reference VM, 2 ranks, timeline and autotune on (rank 0's resident
@@ -29,9 +31,11 @@ memory; fds and threads stayed at 57 and 35 from the first sample to the last in
 """
 
 import argparse
+import ctypes
 import os
 import random
 import resource
+import sys
 import time
 
 import torch
@@ -42,11 +46,29 @@ DTYPES = [torch.float32, torch.float64, torch.int32, torch.bfloat16]
 SIZES = [1, 7, 130, 1000, 4096, 50000, 300000]
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(field, ctypes.c_size_t) for field in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def _heap_in_use():
+    """MB the C heap has handed out and not had back (glibc's mallinfo2: every arena plus mmapped
+    blocks), or nan without glibc. Unlike resident memory it does not move with fragmentation."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return float("nan")
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
 def usage():
-    """(resident MB, open fds, threads) of this process."""
+    """(resident MB, open fds, threads, C heap in use MB, Python's allocated blocks) of this process."""
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * resource.getpagesize() / 2**20
-    return rss, len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+    return (rss, len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")),
+            _heap_in_use(), sys.getallocatedblocks())
 
 
 def _input(n, dtype, rank, step):
@@ -128,10 +150,9 @@ def run(ops, every, seed=0, log=None):
 
 
 def growth(samples):
-    """(rss MB, fds, threads) growth from the end of the warm-up (a fifth of the run) to the end."""
+    """Growth of each usage() figure from the end of the warm-up (a fifth of the run) to the end."""
     warm = samples[max(1, len(samples) // 5)]
-    last = samples[-1]
-    return last[1] - warm[1], last[2] - warm[2], last[3] - warm[3]
+    return tuple(last - first for last, first in zip(samples[-1][1:], warm[1:]))
 
 
 def svg(rows, title):
@@ -178,15 +199,16 @@ def main():
     started = time.monotonic()
     samples, counts = run(args.ops, args.every, log=lambda line: print(line, flush=True))
     if int(os.environ.get("HVDLITE_RANK", "0")) == 0:
-        rss, fds, threads = growth(samples)
+        rss, fds, threads, heap, blocks = growth(samples)
         print(f"{args.ops} operations in {time.monotonic() - started:.0f} s, every result checked: "
               + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-        print(f"after warm-up: rss {rss:+.1f} MB, fds {fds:+d}, threads {threads:+d}")
+        print(f"after warm-up: rss {rss:+.1f} MB, C heap in use {heap:+.2f} MB, Python blocks {blocks:+d}, "
+              f"fds {fds:+d}, threads {threads:+d}")
         if args.csv:
             with open(args.csv, "w") as f:
-                f.write("ops,rss_mb,fds,threads\n")
+                f.write("ops,rss_mb,fds,threads,heap_mb,py_blocks\n")
                 for s in samples:
-                    f.write(f"{s[0]},{s[1]:.2f},{s[2]},{s[3]}\n")
+                    f.write(f"{s[0]},{s[1]:.2f},{s[2]},{s[3]},{s[4]:.3f},{s[5]}\n")
 
 
 if __name__ == "__main__":
