@@ -11,10 +11,12 @@ past its timeout is killed and the error names the ranks that had not finished.
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import torch.distributed as dist
 
@@ -65,6 +67,7 @@ class Job:
         self.size = size
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
         self.dir = tempfile.mkdtemp(prefix="hvdlite-test-")
+        weakref.finalize(self, shutil.rmtree, self.dir, True)  # outputs stay readable while the Job lives
         self.procs = []
         for rank in range(size):
             args_path = os.path.join(self.dir, f"args.{rank}")
@@ -72,6 +75,7 @@ class Job:
                 pickle.dump((module, attr, args), f)
             extra = dict(env or {})
             extra.update((rank_env_extra or {}).get(rank, {}))
+            extra.setdefault("HVDLITE_JOB_DIR", os.path.join(self.dir, "job"))  # dumps go with the Job
             out = open(os.path.join(self.dir, f"out.{rank}"), "wb")
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", _BOOT, args_path, os.path.join(self.dir, f"result.{rank}")],

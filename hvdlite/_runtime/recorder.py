@@ -87,6 +87,9 @@ def _stop(thread):
                 mine = f.read().strip() == str(os.getpid())
             if mine:
                 os.unlink(path)
+            ranks = os.path.dirname(path)
+            os.rmdir(ranks)  # the last rank out leaves no empty directories behind; rmdir
+            os.rmdir(os.path.dirname(ranks))  # refuses while another rank or a dump is in it
         except OSError:
             pass
     _core.ring_dump("", _STOP)
