@@ -113,6 +113,11 @@ def test_malformed_messages_are_errors_not_crashes():
             _core._decode_message(good[:cut])
     with pytest.raises(RuntimeError, match="trailing bytes"):
         _core._decode_message(good + b"\0")
+    # a request count the bytes cannot hold (each request takes at least 9) is rejected in the
+    # header, before any request is made: 1000 claimed, 200 bytes follow
+    empty = _core._encode_message(msg())
+    with pytest.raises(RuntimeError, match="malformed control message header"):
+        _core._decode_message(empty[:-4] + (1000).to_bytes(4, "little") + b"\1" * 200)
     import random
     rng = random.Random(0)
     for _ in range(2000):
