@@ -50,12 +50,14 @@ std::vector<at::Tensor> ByteRows(const std::vector<at::Tensor>& tensors) {
 
 class C10dBackend final : public CollectiveBackend {
  public:
-  explicit C10dBackend(c10::intrusive_ptr<c10d::Backend> backend) : backend_(std::move(backend)) {}
+  C10dBackend(c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout)
+      : backend_(std::move(backend)), timeout_(timeout) {}
 
   std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp op) override {
     std::vector<at::Tensor> tensors{Unowned(tensor)};
     c10d::AllreduceOptions options;
     options.reduceOp = ToC10d(op);
+    options.timeout = timeout_;
     c10::intrusive_ptr<c10d::Work> work = backend_->allreduce(tensors, options);
     return [work] { Finish(work); };
   }
@@ -64,13 +66,16 @@ class C10dBackend final : public CollectiveBackend {
     std::vector<at::Tensor> tensors{ByteRows(tensor)};  // Note [Collectives that move bytes]
     c10d::BroadcastOptions options;
     options.rootRank = root;
+    options.timeout = timeout_;
     Finish(backend_->broadcast(tensors, options));
   }
 
   void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) override {
     std::vector<at::Tensor> inputs{ByteRows(input)};  // Note [Collectives that move bytes]
     std::vector<std::vector<at::Tensor>> output_lists{ByteRows(outputs)};
-    Finish(backend_->allgather(output_lists, inputs));
+    c10d::AllgatherOptions options;
+    options.timeout = timeout_;
+    Finish(backend_->allgather(output_lists, inputs, options));
     // The backend wrote into the storage of `outputs`; nothing to copy back.
   }
 
@@ -79,7 +84,9 @@ class C10dBackend final : public CollectiveBackend {
     // c10d may move from the split vectors it is given: it gets copies.
     std::vector<int64_t> output_counts = output_splits, input_counts = input_splits;
     at::Tensor out = ByteRows(output), in = ByteRows(input);  // Note [Collectives that move bytes]
-    Finish(backend_->alltoall_base(out, in, output_counts, input_counts));
+    c10d::AllToAllOptions options;
+    options.timeout = timeout_;
+    Finish(backend_->alltoall_base(out, in, output_counts, input_counts, options));
   }
 
   std::string name() const override { return backend_->getBackendName(); }
@@ -91,12 +98,14 @@ class C10dBackend final : public CollectiveBackend {
   }
 
   c10::intrusive_ptr<c10d::Backend> backend_;
+  std::chrono::milliseconds timeout_;
 };
 
 }  // namespace
 
-std::unique_ptr<CollectiveBackend> MakeC10dBackend(c10::intrusive_ptr<c10d::Backend> backend) {
-  return std::make_unique<C10dBackend>(std::move(backend));
+std::unique_ptr<CollectiveBackend> MakeC10dBackend(c10::intrusive_ptr<c10d::Backend> backend,
+                                                   std::chrono::milliseconds timeout) {
+  return std::make_unique<C10dBackend>(std::move(backend), timeout);
 }
 
 }  // namespace hvdlite

@@ -4,12 +4,16 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <chrono>
 #include <memory>
 
 #include "backend.h"
 
 namespace hvdlite {
 
-std::unique_ptr<CollectiveBackend> MakeC10dBackend(c10::intrusive_ptr<c10d::Backend> backend);
+// `timeout`: every collective's own timeout, instead of the one the process group was made
+// with (kUnsetTimeout: that one). Note [Frozen peers] in hvdlite/_runtime/groups.py.
+std::unique_ptr<CollectiveBackend> MakeC10dBackend(c10::intrusive_ptr<c10d::Backend> backend,
+                                                   std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
 
 }  // namespace hvdlite

@@ -44,7 +44,8 @@ std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int rank,
                                    int size, const std::map<std::string, std::string>& settings,
                                    std::shared_ptr<ShmChannel> shm,
-                                   std::optional<c10::intrusive_ptr<c10d::Backend>> cross, bool hierarchical) {
+                                   std::optional<c10::intrusive_ptr<c10d::Backend>> cross, bool hierarchical,
+                                   double control_timeout_s) {
   Config config = ConfigFromMap(settings);
   std::unique_ptr<CollectiveBackend> cuda_backend;
   if (cuda && *cuda) cuda_backend = MakeC10dBackend(*cuda);
@@ -56,7 +57,10 @@ std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
   if (hierarchical && cross_backend == nullptr && shm == nullptr) {
     Check(Status(StatusCode::kInternal, "a hierarchical engine needs a shared-memory channel or a cross-host group"));
   }
-  return std::make_shared<Engine>(config, rank, size, MakeC10dBackend(std::move(control)),
+  // Note [Frozen peers] (hvdlite/_runtime/groups.py): the control exchange's own timeout.
+  const auto control_timeout = control_timeout_s > 0
+      ? std::chrono::milliseconds(static_cast<int64_t>(control_timeout_s * 1000.0)) : c10d::kUnsetTimeout;
+  return std::make_shared<Engine>(config, rank, size, MakeC10dBackend(std::move(control), control_timeout),
                                   std::move(cpu_backends), std::move(cuda_backend), std::move(shm),
                                   std::move(cross_backend), hierarchical);
 }
@@ -274,7 +278,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu"),
            py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
            py::arg("shm").none(true) = nullptr, py::arg("cross").none(true) = py::none(),
-           py::arg("hierarchical") = false)
+           py::arg("hierarchical") = false, py::arg("control_timeout") = 0.0)
       .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
       .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
       .def("new_name", &Engine::NewName, py::arg("prefix"))

@@ -76,12 +76,20 @@ def _nccl_group(store, rank, size):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
+# Note [Frozen peers]
+# A peer that is alive but frozen (SIGSTOP, a debugger, a kernel hang) keeps its sockets open
+# and its pid alive, so nothing fails by itself; the others wait in the next negotiation round,
+# which it never joins. Every idle engine joins a round every heartbeat (Note [Process group
+# timeout]), so a peer missing from a round for the stall shutdown time is frozen, not slow:
+# the shared-memory barriers and the control exchange across hosts both give up after the
+# process-group timeout or the stall shutdown time, whichever is shorter, and the failure census
+# (Note [Failure census] in liveness.py) names the peer that did not answer. Data collectives
+# keep the process-group timeout: they start only once negotiation has shown every rank ready.
+# The cost: with a stall shutdown time, a round may not wait longer than it for a peer still
+# finishing the previous collective (a broadcast's receivers finish after its root); set the
+# stall shutdown time above the longest single collective, as for a stalled tensor.
 def _channel_timeout(options):
-    """How long a shared-memory barrier waits for a peer that is alive: the process-group
-    timeout, or the stall shutdown time when that is shorter. Every idle engine joins a round
-    every heartbeat (Note [Process group timeout]), so a peer of this host that has not
-    arrived by then is frozen (stopped, or hung in its engine), and the others name it within
-    the stall time, as they name a rank that has not submitted a tensor."""
+    """How long a negotiation round waits for a peer (Note [Frozen peers])."""
     seconds = _timeout().total_seconds()
     stall = options.get("stall_shutdown_seconds", 0.0)
     return min(seconds, stall) if stall > 0 else seconds
@@ -189,7 +197,8 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
                 "other (hvdliterun finds one by itself)" if not loopback else "")
         raise RankFailureError(f"hvdlite.init(): rank {rank} could not connect its process groups to "
                                f"the other ranks: {exc}{hint}", op="init") from None
-    engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm, cross, hierarchical)
+    engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm, cross, hierarchical,
+                          control_timeout=_channel_timeout(options))  # Note [Frozen peers]
     # Note [Dump requests] (csrc/recorder.h): its dumps' name; the global engine also tells
     # the other ranks when this process gets a dump signal.
     engine.set_label(timeline_label or tag, tag == "global")

@@ -266,6 +266,51 @@ def test_link_of_one_host_cut_mid_training(hosts):
     assert_nothing_left(hosts, within=30.0)  # the cut host's ranks time out by themselves
 
 
+def test_a_frozen_rank_on_another_host_is_named_within_the_stall_time(hosts):
+    """SIGSTOP: hvtc's rank is alive, its sockets open, and it never joins another round. The
+    others give up on the control exchange after the stall shutdown time, not the 300 s
+    process-group timeout, and the census names it (Note [Frozen peers] in groups.py)."""
+    stall = 4
+    job = _long_job(hosts, {"HVDLITE_STALL_CHECK_TIME_SECONDS": "2", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": str(stall)})
+    frozen = None
+    try:
+        job.wait_for("TRAINING rank", 3)
+        frozen = next(pid for pid, cmd in hosts.pids("hvtc") if cmd.startswith(sys.executable) and "collective_job.py" in cmd)
+        stopped = time.time()
+        os.kill(frozen, signal.SIGSTOP)
+        code = job.finish(timeout=60)
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    took = _check_survivors(job, 2, "hvtc", stopped, stall + 8.0)
+    assert code != 0
+    summary = lines(job.text(), "hvdliterun: error:")
+    assert summary and "hvtc" in summary[-1], job.text()[-3000:]
+    print(f"frozen rank: survivors raised within {took:.2f} s (stall shutdown {stall} s); launcher: {summary[-1]}")
+    assert_nothing_left(hosts)
+
+
+def test_link_that_flaps_for_less_than_the_timeout_leaves_a_static_job_exact(hosts):
+    """hvtc's only link goes down for 3 s and comes back, well inside the 15 s process-group
+    timeout: nothing fails, and every step's result is still checked against its closed form
+    (collective_job.py). test_link_of_one_host_cut_mid_training is the link that stays down."""
+    job = _long_job(hosts, {"HVDLITE_PROCESS_GROUP_TIMEOUT_SECONDS": "15", "JOB_STEPS": "400"})
+    try:
+        job.wait_for("TRAINING rank", 3)
+        hosts.cut_link("hvtc")
+        time.sleep(3.0)
+    finally:
+        subprocess.run(["ip", "-n", f"{PREFIX}-hvtc", "link", "set", "eth0", "up"], check=False)
+    code = job.finish(timeout=90)
+    assert code == 0, job.text()[-3000:]
+    assert len(lines(job.text(), "CHECKED rank")) == 3, job.text()[-3000:]
+    assert not lines(job.text(), "FAILED rank"), job.text()[-3000:]
+    assert_nothing_left(hosts)
+
+
 def test_launcher_killed_stops_every_rank_on_every_host(hosts):
     job = _long_job(hosts, {}, from_host="hvta")  # local ranks on hvta, remote ones on hvtb, hvtc
     job.wait_for("TRAINING rank", 3)
