@@ -45,22 +45,23 @@ std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
                                    int size, const std::map<std::string, std::string>& settings,
                                    std::shared_ptr<ShmChannel> shm,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cross, bool hierarchical,
-                                   double control_timeout_s) {
+                                   double control_timeout_s, double data_timeout_s) {
   Config config = ConfigFromMap(settings);
+  // Note [Frozen peers] (hvdlite/_runtime/groups.py): the collectives' own timeouts (0: the group's).
+  auto millis = [](double seconds) {
+    return seconds > 0 ? std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)) : c10d::kUnsetTimeout;
+  };
   std::unique_ptr<CollectiveBackend> cuda_backend;
   if (cuda && *cuda) cuda_backend = MakeC10dBackend(*cuda);
   if (cpu.empty()) Check(Status(StatusCode::kInternal, "an engine needs at least one CPU process group"));
   std::vector<std::unique_ptr<CollectiveBackend>> cpu_backends;
-  for (auto& backend : cpu) cpu_backends.push_back(MakeC10dBackend(std::move(backend)));
+  for (auto& backend : cpu) cpu_backends.push_back(MakeC10dBackend(std::move(backend), millis(data_timeout_s)));
   std::unique_ptr<CollectiveBackend> cross_backend;
-  if (cross && *cross) cross_backend = MakeC10dBackend(*cross);
+  if (cross && *cross) cross_backend = MakeC10dBackend(*cross, millis(data_timeout_s));
   if (hierarchical && cross_backend == nullptr && shm == nullptr) {
     Check(Status(StatusCode::kInternal, "a hierarchical engine needs a shared-memory channel or a cross-host group"));
   }
-  // Note [Frozen peers] (hvdlite/_runtime/groups.py): the control exchange's own timeout.
-  const auto control_timeout = control_timeout_s > 0
-      ? std::chrono::milliseconds(static_cast<int64_t>(control_timeout_s * 1000.0)) : c10d::kUnsetTimeout;
-  return std::make_shared<Engine>(config, rank, size, MakeC10dBackend(std::move(control), control_timeout),
+  return std::make_shared<Engine>(config, rank, size, MakeC10dBackend(std::move(control), millis(control_timeout_s)),
                                   std::move(cpu_backends), std::move(cuda_backend), std::move(shm),
                                   std::move(cross_backend), hierarchical);
 }
@@ -278,7 +279,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu"),
            py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
            py::arg("shm").none(true) = nullptr, py::arg("cross").none(true) = py::none(),
-           py::arg("hierarchical") = false, py::arg("control_timeout") = 0.0)
+           py::arg("hierarchical") = false, py::arg("control_timeout") = 0.0, py::arg("data_timeout") = 0.0)
       .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
       .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
       .def("new_name", &Engine::NewName, py::arg("prefix"))

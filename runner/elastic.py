@@ -36,8 +36,9 @@ run. It succeeds when the workers finish with status 0.
 
 Note [No survivor]
 The committed state lives in the workers' memory, and a new generation receives it from its
-rank 0, a survivor. When every worker of a generation is gone (failed, or its host removed)
-and only new workers remain, nobody holds the state: forming a generation of newcomers would
+rank 0, a survivor. A survivor that asked for a place is kept even on a host blacklisted since
+(_keep_survivors), when no other survivor is left. When every worker of a generation is gone
+(failed, or its host removed) and only new workers remain, nobody holds the state: forming a generation of newcomers would
 silently restart training from scratch. The launcher stops the job instead, naming what was
 lost, unless a rank 0 has reported a durable copy of its last commit (keys.ELASTIC_DURABLE,
 written by TorchState.keep_durable_copy): then the new generation restores that copy, and the
@@ -322,6 +323,8 @@ class _Driver:
             eligible = [w for w in eligible if w.state is WorkerState.ASKING]
         wanted = self._wanted_slots(now)
         stay = [w for w in eligible if w.slot < wanted.get(w.host, 0)]
+        if self.generation >= 0 and not any(w.rank is not None for w in stay):
+            stay = self._keep_survivors(eligible, stay)
         if len(stay) < self.elastic.min_np:
             if self.short_since is None:
                 self.short_since = now
@@ -380,6 +383,20 @@ class _Driver:
         else:
             how = ", rolled back to the last commit" if restore else ""
         self.announce(f"generation {self.generation}: {len(places)} ranks ({ranks}){how}{took}")
+
+    def _keep_survivors(self, eligible: List[_Worker], stay: List[_Worker]) -> List[_Worker]:
+        """Note [No survivor]: when every worker that holds the committed state is on a host
+        blacklisted since (another worker there failed or was killed for hanging), but asked
+        for a place and so works, it stays: the job goes on rather than stopping. Hosts the
+        discovery script no longer reports are left out as always."""
+        listed = {h.name: h.slots for h in self.discovery.latest()}
+        keep = [w for w in eligible if w.rank is not None and w.state is WorkerState.ASKING
+                and w.slot < listed.get(w.host, 0)]
+        if keep:
+            self.announce(f"keeping {len(keep)} worker(s) of generation {self.generation} on blacklisted "
+                          f"host(s) {', '.join(sorted({w.host for w in keep}))}: they hold the committed "
+                          "state and no other worker does")
+        return keep + [w for w in stay if w not in keep]
 
     def _durable_copy(self) -> Optional[dict]:
         """The last durable copy a rank 0 reported (Note [No survivor]), or None."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from . import liveness as _liveness
 from . import recorder as _recorder
 from .native import _core
+from .._job.launchers import is_elastic_worker
 from ..exceptions import RankFailureError
 
 # Note [Process group timeout]: the engine only starts a data collective once negotiation has
@@ -84,7 +85,11 @@ def _nccl_group(store, rank, size):
 # the shared-memory barriers and the control exchange across hosts both give up after the
 # process-group timeout or the stall shutdown time, whichever is shorter, and the failure census
 # (Note [Failure census] in liveness.py) names the peer that did not answer. Data collectives
-# keep the process-group timeout: they start only once negotiation has shown every rank ready.
+# keep the process-group timeout: they start only once negotiation has shown every rank ready,
+# and a rank that fails in one exits, which closes its connections and fails the others at once.
+# Under elastic training a failed rank does not exit (it resets), and the chaos test saw
+# survivors wait in an allreduce for peers that had gone to the next generation, until the
+# launcher killed them; there data collectives get the same bound as the control exchange.
 # The cost: with a stall shutdown time, a round may not wait longer than it for a peer still
 # finishing the previous collective (a broadcast's receivers finish after its root); set the
 # stall shutdown time above the longest single collective, as for a stalled tensor.
@@ -198,7 +203,8 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
         raise RankFailureError(f"hvdlite.init(): rank {rank} could not connect its process groups to "
                                f"the other ranks: {exc}{hint}", op="init") from None
     engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm, cross, hierarchical,
-                          control_timeout=_channel_timeout(options))  # Note [Frozen peers]
+                          control_timeout=_channel_timeout(options),  # Note [Frozen peers]
+                          data_timeout=_channel_timeout(options) if is_elastic_worker(os.environ) else 0.0)
     # Note [Dump requests] (csrc/recorder.h): its dumps' name; the global engine also tells
     # the other ranks when this process gets a dump signal.
     engine.set_label(timeline_label or tag, tag == "global")
