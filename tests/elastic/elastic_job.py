@@ -1,11 +1,14 @@
 """An elastic job whose model counts the samples it was trained on.
 
 The model is one vector with an entry per sample. A batch's loss is minus the sum of its
-samples' entries, the gradients are summed over the ranks and SGD with learning rate 1 adds
-one to the entry of every sample in every rank's batch. So after E epochs an entry holds the
+samples' entries (the sampler's padding repeats weigh nothing: padding_weights), the
+gradients are summed over the ranks and SGD with learning rate 1 adds one to the entry of
+every sample in every rank's batch. So after E epochs an entry holds the
 number of times its sample contributed to the model's committed history (rolled-back work
 counts nothing, as it is rolled back with the model): exactly E for each sample when no sample
-was lost or repeated. Rank 0 writes the vector to $ELASTIC_OUT/counts.json at the end.
+was lost or repeated. Rank 0 writes the vector and the epochs completed to
+$ELASTIC_OUT/counts.json at the end. With ELASTIC_UNTIL the job stops at the first epoch
+boundary after the file $ELASTIC_OUT/$ELASTIC_UNTIL appears (tests/multihost/chaos.py).
 
 Every step appends a line to $ELASTIC_OUT/progress.<pid> (time, generation, rank, size,
 epoch, batch, host, and the tensor at which a reset was raised), which the tests read to
@@ -28,6 +31,7 @@ OUT = os.environ["ELASTIC_OUT"]
 CRASH_HOST = os.environ.get("ELASTIC_CRASH_HOST")  # its workers exit 3 after two steps
 HANG_HOST = os.environ.get("ELASTIC_HANG_HOST")  # its workers stop answering after four steps
 BAD_CALL = os.environ.get("ELASTIC_BAD_CALL")  # every rank makes a bad call after two steps
+UNTIL = os.environ.get("ELASTIC_UNTIL")  # a file name in OUT: once it exists, stop after the epoch
 
 torch.set_num_threads(1)
 hvd.init()
@@ -71,11 +75,33 @@ def train(state):
         raise
 
 
+def asked_to_stop():
+    """Every rank decides alike (at an epoch's end): the file exists for one of them."""
+    if not UNTIL:
+        return False
+    seen = torch.tensor([float(os.path.exists(os.path.join(OUT, UNTIL)))])
+    return hvd.allreduce(seen, op=hvd.Max, name="elastic.until").item() > 0
+
+
+def padding_weights(first, n):
+    """1 for each of the batch's samples, 0 for the sampler's padding (Note [Processed samples]
+    in hvdlite/elastic/sampler.py: when the samples left do not divide by the ranks, the last
+    round repeats the first few, as torch's DistributedSampler does). `first` is the batch's
+    position in this rank's share; a position past the samples left is a repeat, and its
+    original is processed at the same step or before, in the same deal."""
+    positions = sampler.rank + sampler.num_replicas * torch.arange(first, first + n)
+    return (positions < len(sampler.remaining_indices)).to(torch.float64)
+
+
 def loop(state):
     while state.epoch < EPOCHS:
+        start = None
         for state.batch, (idx,) in enumerate(loader, start=state.batch):
+            if start is None:  # the share was dealt when the pass began: where it starts in it
+                start = len(sampler.indices) - len(sampler), state.batch
+            first = start[0] + (state.batch - start[1]) * BATCH
             optimizer.zero_grad()
-            loss = -model.counts[idx].sum()
+            loss = -(model.counts[idx] * padding_weights(first, len(idx))).sum()
             loss.backward()
             optimizer.step()
             state.sampler.record_batch(state.batch, BATCH)
@@ -94,6 +120,8 @@ def loop(state):
         state.epoch += 1
         state.batch = 0
         state.commit()
+        if asked_to_stop():
+            break
 
 
 try:
@@ -103,6 +131,6 @@ except hvd.elastic.HostsUpdatedInterrupt as exc:  # never expected outside run()
     raise
 if hvd.rank() == 0:
     with open(os.path.join(OUT, "counts.json"), "w") as f:
-        json.dump({"counts": model.counts.detach().tolist(), "epochs": EPOCHS, "size": hvd.size()}, f)
+        json.dump({"counts": model.counts.detach().tolist(), "epochs": state.epoch, "size": hvd.size()}, f)
 note(event="done", rank=hvd.rank(), size=hvd.size(), resets=resets)
 hvd.shutdown()
