@@ -1,5 +1,8 @@
 """A chosen part of torch's own backend test suite (tests/conformance/torch_suite.py), run
-against hvdlite and against Gloo: every chosen test must pass with both.
+against hvdlite: every chosen test must pass. The chosen tests are ones Gloo passes in
+bench/conformance.py's full run; HVDLITE_CONFORMANCE_GLOO=1 runs them against Gloo here too
+(98 s more of the suite, and a check of torch's suite against torch's own backend rather than
+of hvdlite, so the suite leaves it to that variable and to bench/conformance.py).
 
 The whole suite takes 5 (hvdlite) to 15 (Gloo) minutes here; bench/conformance.py runs it and lists
 every difference (the README's section "Using hvdlite under torch.distributed" has the
@@ -43,7 +46,11 @@ def _run(backend, tmp_path):
     return outcomes
 
 
-@pytest.mark.parametrize("backend", ["hvdlite", "gloo"])
+_GLOO = pytest.mark.skipif(os.environ.get("HVDLITE_CONFORMANCE_GLOO") != "1",
+                           reason="the Gloo reference run is opt-in: HVDLITE_CONFORMANCE_GLOO=1")
+
+
+@pytest.mark.parametrize("backend", ["hvdlite", pytest.param("gloo", marks=_GLOO)])
 def test_torch_suite_chosen_tests_pass(backend, tmp_path):
     outcomes = _run(backend, tmp_path)
     chosen = {name: outcomes.get(name, "not run") for name in CHOSEN}
