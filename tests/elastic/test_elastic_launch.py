@@ -157,20 +157,23 @@ def test_one_rank_job_grows_when_a_host_is_added(elastic_runs):
     run.check_every_sample_once_per_epoch()
 
 
-def test_rank_that_hangs_instead_of_leaving_is_killed_after_the_timeout(elastic_runs):
-    """127.0.0.3's worker stops answering (it sleeps); when 127.0.0.2's dies, 127.0.0.1's
-    leaves the generation but 127.0.0.3's never asks for a place, so after --elastic-timeout
-    the launcher kills it and the job goes on alone."""
+def test_rank_stuck_in_user_code_is_named_removed_and_the_job_goes_on(elastic_runs):
+    """127.0.0.3's worker hangs in user code (it sleeps, outside any collective). The others
+    wait for its gradient; after the stall shutdown time they fail with StallError naming it
+    and leave the generation; it never asks for a place, so after --elastic-timeout the
+    launcher kills it, and the job goes on without it."""
     run = _start(elastic_runs, ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"], "--elastic-timeout", "3",
-                 env={"ELASTIC_HANG_HOST": "127.0.0.3"})
-    run.wait_steps(4, host="127.0.0.3")
-    run.kill(run.pids_on("127.0.0.2"))
+                 env={"ELASTIC_HANG_HOST": "127.0.0.3", "HVDLITE_STALL_CHECK_TIME_SECONDS": "1",
+                      "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "3"})
     code, out = run.finish()
     assert code == 0, out
+    assert "missing rank 2" in out, out
+    failures = [e for e in run.events() if e["event"] == "failure" and e["generation"] == 0]
+    assert {(e["rank"], e["error"]) for e in failures} == {(0, "StallError"), (1, "StallError")}, failures
     assert "(rank 2, host 127.0.0.3) did not leave generation 0 within --elastic-timeout 3 s; killing it" \
         in out, out
     gens = _ranks_by_generation(run)
-    assert {(r, s, h) for r, s, h, _ in gens[max(gens)]} == {(0, 1, "127.0.0.1")}
+    assert {(r, s, h) for r, s, h, _ in gens[max(gens)]} == {(0, 2, "127.0.0.1"), (1, 2, "127.0.0.2")}
     run.check_every_sample_once_per_epoch()
 
 
