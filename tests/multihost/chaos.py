@@ -64,7 +64,7 @@ class _Run(ElasticRun):
 
 
 class Chaos:
-    def __init__(self, hosts, seed, faults, samples=240, step_seconds=0.1, gap=(1.0, 3.0), log=print):
+    def __init__(self, hosts, seed, faults, samples=240, step_seconds=0.1, gap=(0.5, 2.0), log=print):
         self.hosts, self.rng, self.count, self.gap, self.log = hosts, random.Random(seed), faults, gap, log
         self.address = {name: hosts.address(name) for name in HOSTS}
         self.name_of = {addr: name for name, addr in self.address.items()}

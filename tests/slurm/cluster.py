@@ -160,6 +160,20 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return subprocess.run(argv, env={**self.env, **(env or {})}, cwd=cwd, capture_output=True,
                               text=True, timeout=timeout)
 
+    def wait_job(self, job_id, timeout=200):
+        """(JobState, ExitCode) of batch job `job_id` once it has ended. Polls scontrol every
+        0.2 s: `sbatch --wait` polls at growing intervals and took ~30 s longer here."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.run(["scontrol", "-o", "show", "job", str(job_id)], timeout=30).stdout
+            fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+            state = fields.get("JobState", "")
+            if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
+                return state, fields.get("ExitCode", "")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"batch job {job_id} still {state or 'unknown'} after {timeout} s:\n{self.logs()}")
+            time.sleep(0.2)
+
     def stop(self):
         subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=10)
         for proc in self._slurmd:

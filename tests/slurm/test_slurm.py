@@ -46,9 +46,11 @@ set -e
 srun {sys.executable} {JOB} {tmp_path} srun
 {sys.executable} -m hvdlite.runner.launch {sys.executable} {JOB} {tmp_path} hvdliterun
 """)
-    done = slurm.run(["sbatch", "--wait", str(script)], env=_env(), cwd=str(tmp_path), timeout=200)
+    submitted = slurm.run(["sbatch", "--parsable", str(script)], env=_env(), cwd=str(tmp_path))
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr + slurm.logs()
+    state, exit_code = slurm.wait_job(submitted.stdout.strip().split(";")[0])
     output = (tmp_path / "batch.out").read_text() if (tmp_path / "batch.out").exists() else ""
-    assert done.returncode == 0, done.stdout + done.stderr + output + slurm.logs()
+    assert (state, exit_code) == ("COMPLETED", "0:0"), (state, exit_code, output, slurm.logs())
     _check(tmp_path, "srun", "slurm")
     _check(tmp_path, "hvdliterun", "hvdliterun")  # two ranks: the allocation's two task slots
 
