@@ -10,11 +10,12 @@ The faults, each aimed at one host of the running generation:
     later (the host rebooted) and the host returns after its blacklist cooldown;
   - remove_host: the host leaves the discovery output and comes back a few seconds later;
   - link_down: the host's only link goes down for a few seconds and comes back.
-The next fault waits until the job runs again with ranks on at least two hosts and has made
-progress (so a survivor always holds the committed state: Note [No survivor] in
-runner/elastic.py), and until every host is back. The job is tests/elastic/elastic_job.py's
-counting model, whose final vector says how many times each sample contributed to the
-committed model: the reference, exactly `epochs` for every sample, is plain arithmetic.
+The next fault waits until the job runs a generation on at least two hosts in which every rank
+stepped within the last second (so a survivor always holds the committed state: Note [No
+survivor] in runner/elastic.py), and until discovery lists every host again. The job is
+tests/elastic/elastic_job.py's counting model, whose final vector says how many times each
+sample contributed to the committed model: the reference, exactly `epochs` for every sample,
+is plain arithmetic.
 
 tests/multihost/test_chaos.py runs a short schedule in the suite; bench/chaos.py the long one.
 """
