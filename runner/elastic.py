@@ -38,8 +38,8 @@ Note [No survivor]
 The committed state lives in the workers' memory, and a new generation receives it from its
 rank 0, a survivor. A survivor that asked for a place is kept even on a host blacklisted since
 (_keep_survivors), when no other survivor is left. When every worker of a generation is gone
-(failed, or its host removed) and only new workers remain, nobody holds the state: forming a generation of newcomers would
-silently restart training from scratch. The launcher stops the job instead, naming what was
+(failed, or its host removed) and only new workers remain, nobody holds the state: forming a
+generation of newcomers would silently restart training from scratch. The launcher stops the job instead, naming what was
 lost, unless a rank 0 has reported a durable copy of its last commit (keys.ELASTIC_DURABLE,
 written by TorchState.keep_durable_copy): then the new generation restores that copy, and the
 launcher says so.
@@ -387,16 +387,15 @@ class _Driver:
     def _keep_survivors(self, eligible: List[_Worker], stay: List[_Worker]) -> List[_Worker]:
         """Note [No survivor]: when every worker that holds the committed state is on a host
         blacklisted since (another worker there failed or was killed for hanging), but asked
-        for a place and so works, it stays: the job goes on rather than stopping. Hosts the
+        for a place (`eligible` holds only those, once a generation ran) and so works, it stays: the job goes on rather than stopping. Hosts the
         discovery script no longer reports are left out as always."""
         listed = {h.name: h.slots for h in self.discovery.latest()}
-        keep = [w for w in eligible if w.rank is not None and w.state is WorkerState.ASKING
-                and w.slot < listed.get(w.host, 0)]
+        keep = [w for w in eligible if w.rank is not None and w.slot < listed.get(w.host, 0)]
         if keep:
             self.announce(f"keeping {len(keep)} worker(s) of generation {self.generation} on blacklisted "
                           f"host(s) {', '.join(sorted({w.host for w in keep}))}: they hold the committed "
                           "state and no other worker does")
-        return keep + [w for w in stay if w not in keep]
+        return keep + stay  # `stay` holds no survivor, so none is in both
 
     def _durable_copy(self) -> Optional[dict]:
         """The last durable copy a rank 0 reported (Note [No survivor]), or None."""

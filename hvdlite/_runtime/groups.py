@@ -202,9 +202,9 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
                 "other (hvdliterun finds one by itself)" if not loopback else "")
         raise RankFailureError(f"hvdlite.init(): rank {rank} could not connect its process groups to "
                                f"the other ranks: {exc}{hint}", op="init") from None
+    bound = _channel_timeout(options)  # Note [Frozen peers]
     engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm, cross, hierarchical,
-                          control_timeout=_channel_timeout(options),  # Note [Frozen peers]
-                          data_timeout=_channel_timeout(options) if is_elastic_worker(os.environ) else 0.0)
+                          control_timeout=bound, data_timeout=bound if is_elastic_worker(os.environ) else 0.0)
     # Note [Dump requests] (csrc/recorder.h): its dumps' name; the global engine also tells
     # the other ranks when this process gets a dump signal.
     engine.set_label(timeline_label or tag, tag == "global")

@@ -156,9 +156,9 @@ class Chaos:
             self.run.set_hosts(self._discovery())
         else:
             seconds = self.rng.uniform(2.0, 3.0)
-            subprocess.run(["ip", "-n", self.hosts.ns[host], "link", "set", "eth0", "down"], check=True)
+            self.hosts.cut_link(host)
             time.sleep(seconds)
-            subprocess.run(["ip", "-n", self.hosts.ns[host], "link", "set", "eth0", "up"], check=True)
+            self.hosts.restore_link(host)
             detail = f"{seconds:.1f} s"
         self.injected.append((time.time() - self.started, fault, host, detail))
         self.log(f"chaos: {time.time() - self.started:6.1f} s: {fault} on {host} {detail}".rstrip())
@@ -198,7 +198,7 @@ class Chaos:
             except ProcessLookupError:
                 pass
         for name in HOSTS:
-            subprocess.run(["ip", "-n", self.hosts.ns[name], "link", "set", "eth0", "up"], check=False)
+            self.hosts.restore_link(name)
             if name not in self.hosts.sshd:
                 self.hosts.start_sshd(name)
                 self.hosts.wait_ssh(name)

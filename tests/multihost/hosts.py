@@ -270,6 +270,10 @@ class TestHosts:
     def cut_link(self, name):
         _ip("-n", self.ns[name], "link", "set", "eth0", "down")
 
+    def restore_link(self, name):
+        """Brings a cut link back up (also safe when it is up, or the host is gone)."""
+        _ip("-n", self.ns[name], "link", "set", "eth0", "up", check=False)
+
     def shape(self, rate="1gbit", delay="0.5ms"):
         """Shapes every host's link in both directions (a host's egress, and the bridge port's
         egress towards it). Returns what was applied: netem (rate and one-way delay) where the

@@ -256,7 +256,7 @@ def test_link_of_one_host_cut_mid_training(hosts):
         hosts.cut_link("hvtc")
         code = job.finish(timeout=90)
     finally:
-        subprocess.run(["ip", "-n", f"{PREFIX}-hvtc", "link", "set", "eth0", "up"], check=False)
+        hosts.restore_link("hvtc")
     took = _check_survivors(job, 2, "hvtc", cut, timeout + 10.0)
     assert code != 0
     summary = lines(job.text(), "hvdliterun: error:")
@@ -303,7 +303,7 @@ def test_link_that_flaps_for_less_than_the_timeout_leaves_a_static_job_exact(hos
         hosts.cut_link("hvtc")
         time.sleep(3.0)
     finally:
-        subprocess.run(["ip", "-n", f"{PREFIX}-hvtc", "link", "set", "eth0", "up"], check=False)
+        hosts.restore_link("hvtc")
     code = job.finish(timeout=90)
     assert code == 0, job.text()[-3000:]
     assert len(lines(job.text(), "CHECKED rank")) == 3, job.text()[-3000:]
