@@ -332,6 +332,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("shared_memory", &Engine::shared_memory)
       .def_property_readonly("hierarchical", &Engine::hierarchical)
       .def_property_readonly("shm_waits", &Engine::shm_waits)
+      .def("_set_single_copy_min", &Engine::SetSingleCopyMin, py::arg("min_bytes"))
+      .def_property_readonly("single_copy", &Engine::single_copy)
       .def_property_readonly("fusion_threshold_bytes",
                              [](const Engine& e) { return e.config().fusion_threshold_bytes; })
       .def_property_readonly("cycle_time_ms", [](const Engine& e) { return e.config().cycle_time_ms; });
@@ -342,8 +344,14 @@ PYBIND11_MODULE(_core, m) {
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("ranks"), py::arg("pids"),
            py::arg("timeout_seconds"), py::arg("chunk_bytes") = 0)
       .def_readonly_static("HIERARCHICAL_CHUNK", &ShmChannel::kHierarchicalChunk)
+      .def_readonly_static("SINGLE_COPY_MIN_BYTES", &ShmChannel::kSingleCopyMinBytes)
       .def_static("create", &ShmChannel::Create, py::arg("name"), py::arg("size"), py::arg("chunk_bytes") = 0)
       .def_static("unlink", &ShmChannel::Unlink, py::arg("name"))
+      // Note [Single-copy allreduce]: the probe at init and the switch
+      .def("probe_word", [](ShmChannel& c) { return std::make_pair(c.ProbeAddress(), c.ProbeValue()); })
+      .def_static("can_reach", &ShmChannel::CanReach, py::arg("pid"), py::arg("address"), py::arg("value"))
+      .def("enable_single_copy", &ShmChannel::EnableSingleCopy, py::arg("min_bytes") = ShmChannel::kSingleCopyMinBytes)
+      .def_property_readonly("single_copy", &ShmChannel::single_copy_enabled)
       .def_static("segment_bytes", &ShmChannel::SegmentBytes, py::arg("size"), py::arg("chunk_bytes") = 0);
 
   // Note [Dump requests] (recorder.h)

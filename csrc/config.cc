@@ -112,6 +112,7 @@ const std::vector<Setting>& Settings() {
       {"HVDLITE_JOIN_AVERAGE", "average_over_contributors", K::kJoinAverage, true, 0, 0, "size or contributors",
        nullptr, nullptr, &Config::average_over_contributors, nullptr},
       Flag("HVDLITE_SHARED_MEMORY", "shared_memory", true, &Config::shared_memory),
+      Flag("HVDLITE_SINGLE_COPY", "single_copy", true, &Config::single_copy),
       Flag("HVDLITE_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", true, &Config::hierarchical_allreduce),
       Text("HVDLITE_AUTOTUNE_LOG", "autotune_log_path", &Config::autotune_log_path),
       Text("HVDLITE_TIMELINE", "timeline_path", &Config::timeline_path),

@@ -60,6 +60,10 @@ struct Config {
   // CPU tensors through shared memory (Note [Shared-memory allreduce] in shm_channel.h); 0
   // keeps everything on Gloo. Rank 0's value applies to the job.
   bool shared_memory = true;
+  // HVDLITE_SINGLE_COPY: 1 (default) lets such an engine allreduce large CPU tensors straight
+  // between the ranks' memory where the kernel allows it (Note [Single-copy allreduce] in
+  // shm_channel.h); 0 keeps the staged path. Rank 0's value applies to the job.
+  bool single_copy = true;
   // HVDLITE_HIERARCHICAL_ALLREDUCE: 1 makes an engine whose ranks span several hosts reduce
   // CPU tensors inside each host first (Note [Hierarchical allreduce] in cpu_route.h); 0
   // (default) runs one flat allreduce over every rank. Rank 0's value applies to the job.

@@ -45,7 +45,11 @@ class HierarchicalRoute : public CpuRoute {
 class SharedMemoryRoute : public CpuRoute {
  public:
   explicit SharedMemoryRoute(ShmChannel* shm) : shm_(shm) {}
-  std::string name() const override { return "shared memory"; }
+  std::string name() const override {
+    return shm_->single_copy_enabled() ? "shared memory (single copy from " +
+                                             std::to_string(ShmChannel::kSingleCopyMinBytes >> 20) + " MB)"
+                                       : "shared memory";
+  }
 
   bool FusesInPlace() const override { return true; }
   void AllreducePieces(const std::vector<ShmChannel::Piece>& pieces, c10::ScalarType dtype, ReduceOp op,

@@ -56,6 +56,10 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       recorder_(size, config.flight_recorder_rounds, config.straggler_min_lag_ms),
       last_exchange_end_us_(MonotonicMicros()) {
   if (shm_) shm_->YieldWhile(queue_.waiting());  // Note [Yield only while a caller waits]
+  // Which way CPU reductions travel (Note [CPU routes]), for --verbose and the timeline.
+  const std::string route = executor_.CpuRouteName();
+  if (rank == 0) logger_.Log(LogLevel::kDebug, "CPU allreduces go through " + route);
+  if (timeline_.enabled()) timeline_.Marker("engine", "cpu route", MonotonicMicros(), "{\"route\": \"" + route + "\"}");
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
   }

@@ -134,6 +134,10 @@ class Engine {
   int size() const { return size_; }
   const Config& config() const { return config_; }
   bool shared_memory() const { return shm_ != nullptr && !hierarchical_; }
+  // Note [Single-copy allreduce] (shm_channel.h): for benchmarks and tests; false where the
+  // engine has no channel or the probe did not allow it.
+  bool SetSingleCopyMin(int64_t min_bytes) { return shared_memory() && shm_->SetSingleCopyMin(min_bytes); }
+  bool single_copy() const { return shared_memory() && shm_->single_copy_enabled(); }
   // (barrier waits that yielded, that slept) in this engine's shared-memory channel (tests).
   std::pair<uint64_t, uint64_t> shm_waits() const {
     return shm_ ? std::make_pair(shm_->waits_yielded(), shm_->waits_slept()) : std::make_pair(uint64_t{0}, uint64_t{0});

@@ -70,7 +70,9 @@ std::string Engine::TransportOf(const Batch& batch) const {
   if (item.inlined) return "inline";
   if (item.request.device_type != static_cast<int8_t>(c10::DeviceType::CPU)) return "nccl";
   if (kind == CollectiveKind::kAllreduce || kind == CollectiveKind::kReducescatter) {
-    return hierarchical_ ? "hierarchical" : shm_ ? "shared_memory" : "gloo";
+    if (hierarchical_) return "hierarchical";
+    if (!shm_) return "gloo";
+    return shm_->SingleCopy(batch.bytes) ? "single_copy" : "shared_memory";  // Note [Single-copy allreduce]
   }
   if ((kind == CollectiveKind::kAllgather || kind == CollectiveKind::kBroadcast) && shm_ && !hierarchical_) {
     return "shared_memory";

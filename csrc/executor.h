@@ -51,6 +51,8 @@ class Executor {
 
   void Execute(const Batch& batch);
   void ReleaseBuffers() { buffers_.Clear(); }
+  // The way CPU reductions travel (Note [CPU routes]), for logs and the timeline.
+  std::string CpuRouteName() const { return cpu_route_->name(); }
 
  private:
   struct Local {

@@ -1,5 +1,7 @@
 #include "kernels.h"
 
+#include <ATen/Functions.h>
+
 #include <cstring>
 
 namespace hvdlite {
@@ -50,6 +52,15 @@ void CopyOut(const at::Tensor& buffer, int64_t offset, at::Tensor& dst) {
     return;
   }
   dst.copy_(Shaped(buffer, offset, dst));
+}
+
+void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: at::minimum_out(out, a, b); return;
+    case ReduceOp::kMax: at::maximum_out(out, a, b); return;
+    case ReduceOp::kProduct: at::mul_out(out, a, b); return;
+    default: at::add_out(out, a, b); return;
+  }
 }
 
 }  // namespace hvdlite

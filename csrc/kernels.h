@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "types.h"
+
 namespace hvdlite {
 
 // Multiplies in place, as horovod.torch does: integer tensors in double, truncated toward zero;
@@ -21,5 +23,8 @@ bool Memcpyable(const at::Tensor& t);
 // Note [Copies into fusion buffers]: `offset` counts elements of the flat buffer.
 void CopyIn(at::Tensor& buffer, int64_t offset, const at::Tensor& src);
 void CopyOut(const at::Tensor& buffer, int64_t offset, at::Tensor& dst);
+// out = a (op) b, elementwise, for op kSum, kMin, kMax or kProduct; `out` may be `a`. The
+// shared-memory paths reduce with it, so the staged and single-copy paths agree bit for bit.
+void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op);
 
 }  // namespace hvdlite

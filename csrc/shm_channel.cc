@@ -20,6 +20,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "kernels.h"
+
 namespace hvdlite {
 namespace {
 
@@ -63,16 +65,6 @@ void FutexWait(std::atomic<uint32_t>* word, uint32_t seen, int timeout_ms) {
 
 void FutexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-// out = a (op) b, elementwise; `out` may be `a`.
-void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kMin: at::minimum_out(out, a, b); return;
-    case ReduceOp::kMax: at::maximum_out(out, a, b); return;
-    case ReduceOp::kProduct: at::mul_out(out, a, b); return;
-    default: at::add_out(out, a, b); return;
-  }
 }
 
 }  // namespace
@@ -263,6 +255,11 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<vo
                            const std::function<void(at::Tensor&)>& finish) {
   const int64_t element = static_cast<int64_t>(flat.element_size());
   auto* data = static_cast<char*>(flat.data_ptr());
+  if (!across && SingleCopy(flat.numel() * element)) {  // Note [Single-copy allreduce]
+    const Span whole{reinterpret_cast<uint64_t>(data), static_cast<uint64_t>(flat.numel() * element)};
+    RunSingleCopy({whole}, {whole}, flat.numel(), flat.scalar_type(), op, finish);
+    return;
+  }
   Run(
       flat.numel(), flat.scalar_type(), op,
       [&](char* slot, int64_t offset, int64_t n) { std::memcpy(slot, data + offset * element, n * element); },
@@ -291,6 +288,10 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t total_bytes = 0;
   for (const Piece& piece : pieces) total_bytes += piece.bytes;
+  if (!across && SingleCopy(total_bytes)) {  // Note [Single-copy allreduce]
+    SingleCopyPieces(pieces, dtype, op, prescale, finish);
+    return;
+  }
   // Chunks are consumed in order, so one cursor per direction walks the pieces once.
   struct Cursor {
     size_t piece = 0;

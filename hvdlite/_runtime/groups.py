@@ -129,6 +129,24 @@ def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0)
     return channel if agreed else None
 
 
+def _single_copy(store, key, index, count, pids, channel):
+    """Note [Single-copy allreduce] (csrc/shm_channel.h): on for every member of `channel` when
+    each can read and write every other's memory through process_vm_readv/writev, else for
+    none. Each publishes the address of its probe word, then tries every peer's."""
+    address, value = channel.probe_word()
+    store.set(f"{key}/cma/{index}", f"{address}:{value}")
+    words = [f"{key}/cma/{i}" for i in range(count)]
+    store.wait(words)
+    # HVDLITE_TEST_REFUSE_SINGLE_COPY: a test hook (per rank), as if the kernel refused this one
+    mine = os.environ.get("HVDLITE_TEST_REFUSE_SINGLE_COPY") != "1"
+    for i, word in enumerate(store.multi_get(words)):
+        if i != index:
+            peer_address, peer_value = (int(part) for part in word.decode().split(":"))
+            mine = mine and _core.ShmChannel.can_reach(pids[i], peer_address, peer_value)
+    if _agree(store, f"{key}/cma/ok", index, count, mine):
+        channel.enable_single_copy()
+
+
 def _agree(store, key, rank, size, mine):
     """True when every rank of the engine says True (each publishes its own answer)."""
     store.set(f"{key}/{rank}", "1" if mine else "0")
@@ -150,8 +168,11 @@ def _local_paths(store, base, rank, size, options, members, loopback):
         return None, None, False
     hosts = list(dict.fromkeys(m["host"] for m in members))
     if len(hosts) == 1:
-        return (_segment(store, f"{base}shm", rank, size, list(range(size)), [m["pid"] for m in members], options),
-                None, False)
+        pids = [m["pid"] for m in members]
+        channel = _segment(store, f"{base}shm", rank, size, list(range(size)), pids, options)
+        if channel is not None and options["single_copy"]:
+            _single_copy(store, f"{base}shm", rank, size, pids, channel)
+        return channel, None, False
     if not options["hierarchical_allreduce"]:
         return None, None, False
     host = hosts.index(members[rank]["host"])

@@ -1,6 +1,7 @@
 """CPU allreduces and negotiation through shared memory when every rank runs on this host (Note
 [Shared-memory allreduce] and Note [Control exchange through shared memory], csrc/shm_channel.h):
-every dtype and op against an independent reference, buffers that span several chunks, a round
+every dtype and op against an independent reference (on the staged path and on the single-copy
+path, Note [Single-copy allreduce]), buffers that span several chunks, a round
 too large for a control slot, a process set, the switch that turns it off, and a rank killed
 while the others wait inside the channel."""
 
@@ -22,10 +23,14 @@ def _leftover_segments():
     return glob.glob("/dev/shm/hvdlite.*")
 
 
-def _allreduces(expect_shared):
+def _allreduces(expect_shared, single_copy_min=None):
+    """`single_copy_min`: every engine's single-copy threshold for this run (Note [Single-copy
+    allreduce]; 1 sends every allreduce that reaches the channel that way, 0 none)."""
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert _state.current().sets[0].engine.shared_memory == expect_shared
+    if single_copy_min is not None:
+        assert _state.current().sets[0].engine._set_single_copy_min(single_copy_min)
     dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
               torch.int16, torch.int32, torch.int64]
     ops = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
@@ -115,6 +120,8 @@ def _allreduces(expect_shared):
     subset = hvd.add_process_set([0, size - 1])
     if rank in (0, size - 1):
         assert _state.current().sets[subset.process_set_id].engine.shared_memory == expect_shared
+        if single_copy_min is not None:
+            assert _state.current().sets[subset.process_set_id].engine._set_single_copy_min(single_copy_min)
         inputs = [rank_input(400, r, (CHUNK // 4 + 9,), torch.float32) for r in (0, size - 1)]
         got = hvd.allreduce(inputs[0 if rank == 0 else 1], op=hvd.Sum, name="subset", process_set=subset)
         assert_close(got, reduce_reference(inputs, hvd.Sum), torch.float32, f"process set on rank {rank}")
@@ -124,8 +131,10 @@ def _allreduces(expect_shared):
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_shared_memory_allreduce_matches_reference(size):
-    assert all(run_ranks(size, __name__, "_allreduces", True, timeout=180))
+@pytest.mark.parametrize("path", ["staged", "single copy"])
+def test_shared_memory_allreduce_matches_reference(size, path):
+    threshold = 0 if path == "staged" else 1
+    assert all(run_ranks(size, __name__, "_allreduces", True, threshold, timeout=180))
     assert not _leftover_segments()
 
 
@@ -208,7 +217,9 @@ def test_shared_memory_allgather_and_broadcast_match_every_ranks_input(size):
 def _victim_or_survivor(victim, kind="allreduce"):
     hvd.init()
     assert _state.current().sets[0].engine.shared_memory
-    big = torch.ones(CHUNK)  # four chunks
+    if kind == "staged allreduce":
+        assert _state.current().sets[0].engine._set_single_copy_min(0)
+    big = torch.ones(CHUNK)  # four chunks; 16 MB, single copy unless switched off
     hvd.allreduce(big, name="warm-up")
     print("READY", flush=True)
     started = time.time()
@@ -222,7 +233,7 @@ def _victim_or_survivor(victim, kind="allreduce"):
     return None
 
 
-@pytest.mark.parametrize("kind", ["allreduce", "allgather"])
+@pytest.mark.parametrize("kind", ["allreduce", "staged allreduce", "allgather"])
 def test_rank_killed_inside_the_channel_fails_the_others_naming_it(kind):
     size, victim = 3, 2
     job = Job(size, __name__, "_victim_or_survivor", victim, kind,
