@@ -196,7 +196,16 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
     for (int64_t offset = begin; offset < end; offset += per_block) {
       const int64_t n = std::min(per_block, end - offset);
       const uint64_t at = static_cast<uint64_t>(offset * element), bytes = static_cast<uint64_t>(n * element);
-      at::Tensor sum = at::from_blob(block[0], {n}, options);
+      // The sum goes straight into this rank's output where one span holds the block and this
+      // rank's own input is read by the first Combine (ranks 0 and 1), so an in-place output
+      // overwrites nothing still to be read; else into a block, copied out with the peers'.
+      char* target = block[0];
+      if (rank_ <= 1) {
+        auto [i, within] = Locate(lists[rank_].starts[1], at);
+        const Span& span = lists[rank_].spans[1][i];
+        if (span.bytes - within >= bytes) target = reinterpret_cast<char*>(span.address + within);
+      }
+      at::Tensor sum = at::from_blob(target, {n}, options);
       // In rank order, as the staged path: rank 0's value first.
       const char* first = contribution(0, at, bytes, block[0]);
       const char* second = contribution(1, at, bytes, block[1]);
@@ -207,7 +216,9 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
         Combine(sum, sum, at::from_blob(const_cast<char*>(next), {n}, options), op);
       }
       if (finish) finish(sum);
-      for (int r = 0; r < size_; ++r) transfer(r, 1, at, bytes, block[0]);
+      for (int r = 0; r < size_; ++r) {
+        if (r != rank_ || target == block[0]) transfer(r, 1, at, bytes, target);
+      }
     }
     Barrier();  // every share is in every output; no one reads this rank's input any more
   } catch (...) {
