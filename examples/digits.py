@@ -2,6 +2,7 @@
 
     python examples/digits.py                       # one process
     hvdliterun -np 2 python examples/digits.py      # two ranks
+    hvdliterun -np 2 python examples/digits.py --powersgd-rank 2   # low-rank gradients
     python -m hvdlite.runner.launch -np 2 python examples/digits.py   # the same
 
 The 1,797 8x8 images are split into train and test sets by a fixed seed. Every epoch the
@@ -30,6 +31,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.02, help="per rank; scaled by the size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--powersgd-rank", type=int, default=0,
+                        help="compress the weight gradients to this rank with PowerSGD (0: off)")
     return parser.parse_args(argv)
 
 
@@ -71,7 +74,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    compression = hvd.Compression.powersgd(rank=args.powersgd_rank) if args.powersgd_rank else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

@@ -2,10 +2,15 @@
 
 ``Compression.none`` sends tensors as they are; ``Compression.fp16`` and ``Compression.bf16``
 cast floating-point tensors to float16 / bfloat16 before the collective and back after it.
-Non-floating tensors are never cast.
+Non-floating tensors are never cast. ``Compression.powersgd(rank=...)`` (hvdlite's addition)
+sends low-rank factors of each large gradient, with error feedback (Note [PowerSGD] below).
 """
 
+import zlib
+
 import torch
+
+from .exceptions import HvdliteValueError
 
 
 class Compressor:
@@ -58,3 +63,172 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+    @staticmethod
+    def powersgd(rank=1, warmup_steps=0, min_compression_rate=2.0, seed=0, error_feedback=True, warm_start=True):
+        """Low-rank compression with error feedback (hvdlite's addition; Note [PowerSGD]). One
+        instance per DistributedOptimizer: it keeps per-parameter state."""
+        return PowerSGD(rank, warmup_steps, min_compression_rate, seed, error_feedback, warm_start)
+
+
+# Note [PowerSGD]
+# A gradient with two or more dimensions is viewed as an n x m matrix M (its first dimension by
+# the rest) and sent as two thin factors instead of n * m numbers (Vogels et al., 2019):
+#
+#     M += error                  error feedback: what earlier steps' approximations left out
+#     P = M Q                     n x r; Q (m x r) is kept from the last step (warm start)
+#     allreduce P (sum)           one fused allreduce for every compressed gradient
+#     P = orthonormal(P)          the same on every rank: every rank holds the same P
+#     Q = M^T P                   m x r
+#     allreduce Q (sum)           the second fused allreduce, which depends on the first
+#     M_hat = P Q^T / size        the average of every rank's M, projected onto span(P)
+#     error = M - M_hat           kept per parameter, on this rank
+#     grad = M_hat (Average) or M_hat * size (Sum)
+#
+# So a step makes two dependent fused allreduces of (n + m) * r numbers per matrix. At r =
+# min(n, m) span(P) holds every column of the summed M, so M_hat is the exact average (and the
+# errors of all ranks sum to zero, so the feedback adds nothing on average).
+#
+# Which gradients: floating point, two or more dimensions, and a compression rate n * m /
+# ((n + m) * r) of at least ``min_compression_rate``; the others (biases, norms, small layers)
+# go through the ordinary allreduce as their hooks fire, overlapping backward. Each parameter's
+# first ``warmup_steps`` reductions are exact allreduces too. The compressed ones wait until
+# ``synchronize()``, where their two rounds run. Every decision depends only on shapes, dtypes
+# and how many times the parameter has been reduced, which every rank agrees on.
+#
+# Q starts from a generator seeded by ``seed`` and the parameter's name, so every rank starts
+# from the same Q without communicating. With ``backward_passes_per_step`` > 1 compression runs
+# only on the passes that reduce (the accumulated gradient), as the ordinary allreduce does. A
+# step whose M_hat is not finite (an fp16 overflow that AMP's scaler will skip) hands the
+# non-finite gradient on, so the scaler sees it, but keeps the error and Q of the last finite
+# step: an inf is never folded into the error buffer. The error buffers, Qs and counts travel in
+# ``DistributedOptimizer.state_dict()`` (key "powersgd"), so checkpoints and elastic resets carry
+# them.
+
+
+class PowerSGD(NoneCompressor):
+    """A PowerSGD compressor for one DistributedOptimizer (it keeps per-parameter state). The
+    gradients it does not compress go through the ordinary allreduce as they are.
+
+    ``rank``: columns of P and Q; ``warmup_steps``: exact allreduces before compressing a
+    parameter; ``min_compression_rate``: gradients that would shrink less go uncompressed;
+    ``seed``: where every rank's Q starts; ``error_feedback`` and ``warm_start`` as in the paper
+    (both on by default, as in torch's powerSGD_hook).
+    """
+
+    def __init__(self, rank=1, warmup_steps=0, min_compression_rate=2.0, seed=0, error_feedback=True,
+                 warm_start=True):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise HvdliteValueError(f"Compression.powersgd: rank must be an int >= 1, got {rank!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise HvdliteValueError(f"Compression.powersgd: warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)):
+            raise HvdliteValueError("Compression.powersgd: min_compression_rate must be a number, "
+                                    f"got {min_compression_rate!r}")
+        self.rank = rank
+        self.warmup_steps = warmup_steps
+        self.min_compression_rate = float(min_compression_rate)
+        self.seed = int(seed)
+        self.error_feedback = bool(error_feedback)
+        self.warm_start = bool(warm_start)
+        self._steps = {}   # name -> reductions so far
+        self._error = {}   # name -> n x m error buffer (float32, or the gradient's dtype if wider)
+        self._q = {}       # name -> m x r
+        self._held = []    # (parameter, name) waiting for this step's two rounds
+        self._owner = None
+
+    def __repr__(self):
+        return (f"Compression.powersgd(rank={self.rank}, warmup_steps={self.warmup_steps}, "
+                f"min_compression_rate={self.min_compression_rate:g}, seed={self.seed})")
+
+    def compressible(self, grad):
+        if grad is None or grad.is_sparse or not grad.is_floating_point() or grad.dim() < 2:
+            return False
+        n, m = grad.shape[0], grad.numel() // max(1, grad.shape[0])
+        r = min(self.rank, n, m)
+        return r > 0 and n * m >= self.min_compression_rate * (n + m) * r
+
+    def hold(self, params, names, optimizer):
+        """DistributedOptimizer._submit (its lock held): counts one reduction of each parameter
+        and keeps the ones to compress. Returns (parameters to send now, finish callback or None)."""
+        if self._owner is None:
+            self._owner = optimizer
+        elif self._owner is not optimizer:
+            raise RuntimeError("Compression.powersgd(): one instance keeps one optimizer's state; "
+                               "create one per DistributedOptimizer")
+        send, held = [], []
+        for p in params:
+            name = names[p]
+            done = self._steps.get(name, 0)
+            self._steps[name] = done + 1
+            (held if done >= self.warmup_steps and self.compressible(p.grad) else send).append(p)
+        if not held:
+            return send, None, held
+        self._held.extend((p, names[p]) for p in held)
+        return send, self._flush, held
+
+    def forget(self):
+        """A failed step's held gradients are dropped (elastic reset; the state is restored)."""
+        self._held = []
+
+    def _flush(self, _result=None):
+        """The two rounds for every held gradient of this step (from synchronize())."""
+        held, self._held = self._held, []
+        if not held:
+            return
+        optimizer = self._owner
+        process_set = optimizer._process_set
+        size = process_set.size()
+        work = []
+        for p, name in held:
+            grad = p.grad
+            n = grad.shape[0]
+            wide = torch.promote_types(grad.dtype, torch.float32)
+            matrix = grad.reshape(n, -1).to(wide)
+            r = min(self.rank, n, matrix.shape[1])
+            error = self._error.get(name)
+            if self.error_feedback and error is not None:
+                matrix = matrix + error.to(device=matrix.device, dtype=wide)
+            q = self._q.get(name) if self.warm_start else None
+            if q is None or q.shape != (matrix.shape[1], r):
+                q = self._initial_q(name, matrix.shape[1], r, matrix)
+            else:
+                q = q.to(device=matrix.device, dtype=wide)
+            work.append([p, name, matrix, q, matrix @ q])
+        from . import ops  # not at import: ops' own imports reach the runtime
+        ps = ops.grouped_allreduce_([w[4] for w in work], op=ops.Sum, name="hvdlite.powersgd.p",
+                                   process_set=process_set)
+        for w, p_sum in zip(work, ps):
+            w[4] = _orthonormal(p_sum)
+        qs = ops.grouped_allreduce_([w[2].t() @ w[4] for w in work], op=ops.Sum, name="hvdlite.powersgd.q",
+                                   process_set=process_set)
+        average = optimizer._op == ops.Average
+        for (p, name, matrix, _, p_orth), q_sum in zip(work, qs):
+            approx = p_orth @ q_sum.t()  # the sum over ranks, projected
+            mean = approx / size
+            if bool(torch.isfinite(approx).all()):
+                if self.error_feedback:
+                    self._error[name] = matrix - mean
+                self._q[name] = q_sum
+            with torch.no_grad():
+                p.grad.copy_((mean if average else approx).view_as(p.grad))
+
+    def _initial_q(self, name, m, r, like):
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
+        return torch.randn(m, r, generator=generator, dtype=torch.float64).to(device=like.device, dtype=like.dtype)
+
+    def state_dict(self):
+        return {"steps": dict(self._steps), "error": dict(self._error), "q": dict(self._q)}
+
+    def load_state_dict(self, state):
+        self._steps = dict(state.get("steps", {}))
+        self._error = dict(state.get("error", {}))
+        self._q = dict(state.get("q", {}))
+        self._held = []
+
+
+def _orthonormal(p):
+    """An orthonormal basis of p's columns (n x r), the same on every rank for the same p."""
+    if not bool(torch.isfinite(p).all()):
+        return p  # the step's result is not finite anyway (Note [PowerSGD])
+    return torch.linalg.qr(p, mode="reduced").Q

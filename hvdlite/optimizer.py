@@ -147,6 +147,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._group_ready = [set() for _ in self._groups]
             self._passes = {p: 0 for p in self._passes}
             self._synchronized = False
+            if hasattr(self._compression, "forget"):
+                self._compression.forget()  # Note [PowerSGD]: the held gradients of that step
 
     # ---- the wrapped optimizer's objects -------------------------------------------------------
 
@@ -203,9 +205,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return f"DistributedOptimizer({self._optimizer!r})"
 
     def state_dict(self):
-        return self._optimizer.state_dict()
+        state = self._optimizer.state_dict()
+        if hasattr(self._compression, "state_dict"):  # Note [PowerSGD]: error buffers and Qs
+            state["powersgd"] = self._compression.state_dict()
+        return state
 
     def load_state_dict(self, state_dict):
+        if hasattr(self._compression, "load_state_dict") and "powersgd" in state_dict:
+            state_dict = dict(state_dict)
+            self._compression.load_state_dict(state_dict.pop("powersgd"))
         return self._optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group):
@@ -400,6 +408,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._record(self._submit_sparse(p))
             else:
                 dense.append(p)
+        hold = getattr(self._compression, "hold", None)  # Note [PowerSGD] in compression.py
+        if hold is not None and dense:
+            dense, finish, held = hold(dense, self._names, self)
+            if finish is not None:
+                self._record(_Reduction(held, None, finish))
         if not dense:
             return
         sent, contexts = [], []
@@ -505,6 +518,8 @@ def _check_options(op, predivide, passes, compression):
                                 f"got {passes!r}")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise HvdliteTypeError("DistributedOptimizer: compression must be one of hvdlite.Compression.*")
+    if hasattr(compression, "hold") and op == ops.Adasum:
+        raise HvdliteValueError("DistributedOptimizer: Compression.powersgd() works with op=Average or Sum")
 
 
 def _named_parameter_map(named_parameters):

@@ -56,6 +56,12 @@ def test_digits_two_ranks_reach_one_rank_accuracy_within_a_point():
     assert "[1]<stdout>: epoch" not in pair, "rank 1 printed a progress bar"
 
 
+def test_digits_with_powersgd_rank_2_reaches_the_uncompressed_accuracy_within_a_point():
+    exact = number(r"test accuracy: ([\d.]+)%", run_example("digits.py", np=2))
+    low = number(r"test accuracy: ([\d.]+)%", run_example("digits.py", "--powersgd-rank", 2, np=2))
+    assert abs(low - exact) <= 1.0, f"PowerSGD rank 2 reached {low}%, uncompressed {exact}%"
+
+
 def test_synthetic_benchmark_reports_per_rank_and_total_rates():
     out = run_example("synthetic_benchmark.py", "--batch-size", 8, "--num-iters", 2,
                       "--num-warmup-batches", 1, "--num-batches-per-iter", 2, "--fp16-allreduce",
