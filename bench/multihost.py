@@ -9,7 +9,10 @@ reference machine), launches from the first host with hvdliterun over real ssh (
 discovery picks the interface), and runs:
   1. bench/cross_host.py: ResNet-50 gradients, flat bound / torch async per tensor / hvdlite
      grouped / hvdlite grouped with fp16 compression;
-  2. bench/training.py --models mlp: a DistributedOptimizer training step against DDP.
+  2. bench/training.py --models mlp: a DistributedOptimizer training step against DDP;
+  3. bench/powersgd.py: the MLP step with Compression.powersgd(rank=4) against DDP with and
+     without torch's powerSGD_hook.
+--jobs picks some of them (cross_host,training,powersgd).
 """
 import argparse
 import os
@@ -28,6 +31,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--slots", type=int, default=1, help="ranks per host")
     parser.add_argument("--json-dir", default=None)
+    parser.add_argument("--jobs", default="cross_host,training,powersgd", help="which jobs, comma-separated")
     parser.add_argument("--hierarchical", action="store_true",
                         help="run every job twice: flat, then with --hierarchical-allreduce "
                              "(Note [Hierarchical allreduce]; use with --slots 2 or more)")
@@ -46,10 +50,13 @@ def main():
             [sys.executable, "bench/cross_host.py", "--rounds", str(args.rounds)],
             [sys.executable, "bench/training.py", "--models", "mlp", "--rounds", str(max(3, args.rounds - 2)),
              "--steps-per-round", "2", "--no-local", "--no-breakdown"],
+            [sys.executable, "bench/powersgd.py", "--rounds", str(max(3, args.rounds - 2))],
         ]
+        names = ("cross_host", "training", "powersgd")
+        chosen = args.jobs.split(",")
         variants = [("", [])] + ([("_hierarchical", ["--hierarchical-allreduce"])] if args.hierarchical else [])
         runs = [(job, name + suffix, flags) for suffix, flags in variants
-                for job, name in zip(jobs, ("cross_host", "training"))]
+                for job, name in zip(jobs, names) if name in chosen]
         for job, name, flags in runs:
             if args.json_dir:
                 job = job + ["--json", os.path.join(os.path.abspath(args.json_dir), f"multihost_{name}.json")]

@@ -184,34 +184,61 @@ class PowerSGD(NoneCompressor):
             grad = p.grad
             n = grad.shape[0]
             wide = torch.promote_types(grad.dtype, torch.float32)
-            matrix = grad.reshape(n, -1).to(wide)
+            # M lives in the gradient itself where it is dense and float32 or wider, so a step
+            # allocates nothing of the gradient's size (fresh 64 MB tensors cost 20 ms of page
+            # faults here); else in a widened copy
+            in_place = grad.dtype == wide and grad.is_contiguous()
+            matrix = grad.view(n, -1) if in_place else grad.reshape(n, -1).to(wide)
             r = min(self.rank, n, matrix.shape[1])
             error = self._error.get(name)
             if self.error_feedback and error is not None:
-                matrix = matrix + error.to(device=matrix.device, dtype=wide)
+                matrix.add_(error.to(device=matrix.device, dtype=wide))  # the error itself stays as it was
             q = self._q.get(name) if self.warm_start else None
             if q is None or q.shape != (matrix.shape[1], r):
                 q = self._initial_q(name, matrix.shape[1], r, matrix)
             else:
                 q = q.to(device=matrix.device, dtype=wide)
-            work.append([p, name, matrix, q, matrix @ q])
+            # (Q^T M^T)^T rather than M Q, and (P^T M)^T rather than M^T P below: the same
+            # products, 2.7x and 15x faster through this torch's CPU BLAS for a 4096 x 4096 M
+            work.append([p, name, matrix, in_place, (q.t() @ matrix.t()).t().contiguous()])
         from . import ops  # not at import: ops' own imports reach the runtime
         ps = ops.grouped_allreduce_([w[4] for w in work], op=ops.Sum, name="hvdlite.powersgd.p",
                                    process_set=process_set)
         for w, p_sum in zip(work, ps):
             w[4] = _orthonormal(p_sum)
-        qs = ops.grouped_allreduce_([w[2].t() @ w[4] for w in work], op=ops.Sum, name="hvdlite.powersgd.q",
-                                   process_set=process_set)
+        qs = ops.grouped_allreduce_([(w[4].t() @ w[2]).t().contiguous() for w in work], op=ops.Sum,
+                                   name="hvdlite.powersgd.q", process_set=process_set)
         average = optimizer._op == ops.Average
-        for (p, name, matrix, _, p_orth), q_sum in zip(work, qs):
-            approx = p_orth @ q_sum.t()  # the sum over ranks, projected
-            mean = approx / size
-            if bool(torch.isfinite(approx).all()):
-                if self.error_feedback:
-                    self._error[name] = matrix - mean
+        with torch.no_grad():
+            for (p, name, matrix, in_place, p_orth), q_sum in zip(work, qs):
+                self._finish(p, name, matrix, in_place, p_orth / size, q_sum, 1.0 if average else float(size))
+
+    def _finish(self, p, name, matrix, in_place, factor, q_sum, scale):
+        """grad = scale * mean, mean = factor @ q_sum^T (the same on every rank); error = M - mean."""
+        finite = bool(torch.isfinite(factor).all()) and bool(torch.isfinite(q_sum).all())
+        if not finite or not self.error_feedback:
+            # no new error to keep: the result goes straight into M's memory (a non-finite one is
+            # handed on for AMP's scaler to see; the error and Q stay those of the last finite step)
+            torch.mm(factor * scale, q_sum.t(), out=matrix)
+            if finite:
                 self._q[name] = q_sum
-            with torch.no_grad():
-                p.grad.copy_((mean if average else approx).view_as(p.grad))
+            if not in_place:
+                p.grad.copy_(matrix.view_as(p.grad))
+            return
+        self._q[name] = q_sum
+        buffer = self._error.get(name)  # the last error, already added into M
+        if buffer is None or buffer.shape != matrix.shape or buffer.dtype != matrix.dtype \
+                or buffer.device != matrix.device:
+            buffer = torch.empty_like(matrix)
+        torch.mm(factor, q_sum.t(), out=buffer)  # the mean
+        matrix.sub_(buffer)                      # M - mean: the new error, in M's memory
+        self._error[name] = matrix
+        if scale != 1.0:
+            buffer.mul_(scale)
+        if in_place:
+            p.grad = buffer.view_as(p.grad)       # the two swap roles: no copy
+        else:
+            p.grad.copy_(buffer.view_as(p.grad))
 
     def _initial_q(self, name, m, r, like):
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
@@ -221,9 +248,10 @@ class PowerSGD(NoneCompressor):
         return {"steps": dict(self._steps), "error": dict(self._error), "q": dict(self._q)}
 
     def load_state_dict(self, state):
+        # copies: the buffers are updated in place from here on
         self._steps = dict(state.get("steps", {}))
-        self._error = dict(state.get("error", {}))
-        self._q = dict(state.get("q", {}))
+        self._error = {k: v.clone() for k, v in state.get("error", {}).items()}
+        self._q = {k: v.clone() for k, v in state.get("q", {}).items()}
         self._held = []
 
 
