@@ -141,8 +141,9 @@ def tiny_case(rounds, out, rank, size, per_round=500):
     ratios = _common.report("4-byte allreduce / ping-pong round trip", times, "shared-memory ping-pong round trip",
                             {}, out)
     median_us = _common.median(times["hvdlite 4-byte allreduce"]) * 1e6
+    pong_us = _common.median(times["shared-memory ping-pong round trip"]) * 1e6
     if rank == 0:
-        print(f"  4-byte allreduce median {median_us:.1f} us (target <= 10 us)")
+        print(f"  4-byte allreduce median {median_us:.1f} us (target <= 10 us); ping-pong round trip {pong_us:.2f} us")
     return ratios
 
 
