@@ -45,7 +45,7 @@ def number(pattern, text):
     return float(found[-1])
 
 
-def test_digits_two_ranks_reach_one_rank_accuracy_within_a_point():
+def test_digits_two_ranks_reach_one_rank_accuracy_within_a_point_with_and_without_powersgd():
     alone = run_example("digits.py")
     pair = run_example("digits.py", np=2)
     one = number(r"test accuracy: ([\d.]+)% \(\d+/\d+\) on 1 rank", alone)
@@ -54,12 +54,10 @@ def test_digits_two_ranks_reach_one_rank_accuracy_within_a_point():
     assert abs(two - one) <= 1.0, f"2 ranks reached {two}%, 1 rank {one}%"
     assert "epoch  30/30 [########################]" in pair, "no progress bar from rank 0"
     assert "[1]<stdout>: epoch" not in pair, "rank 1 printed a progress bar"
-
-
-def test_digits_with_powersgd_rank_2_reaches_the_uncompressed_accuracy_within_a_point():
-    exact = number(r"test accuracy: ([\d.]+)%", run_example("digits.py", np=2))
-    low = number(r"test accuracy: ([\d.]+)%", run_example("digits.py", "--powersgd-rank", 2, np=2))
-    assert abs(low - exact) <= 1.0, f"PowerSGD rank 2 reached {low}%, uncompressed {exact}%"
+    # PowerSGD at rank 2 (Note [PowerSGD]) reaches the uncompressed 2-rank accuracy within a point
+    low = number(r"test accuracy: ([\d.]+)% \(\d+/\d+\) on 2 rank",
+                 run_example("digits.py", "--powersgd-rank", 2, np=2))
+    assert abs(low - two) <= 1.0, f"PowerSGD rank 2 reached {low}%, uncompressed {two}%"
 
 
 def test_synthetic_benchmark_reports_per_rank_and_total_rates():
