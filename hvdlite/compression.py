@@ -103,7 +103,10 @@ class Compression:
 # non-finite gradient on, so the scaler sees it, but keeps the error and Q of the last finite
 # step: an inf is never folded into the error buffer. The error buffers, Qs and counts travel in
 # ``DistributedOptimizer.state_dict()`` (key "powersgd"), so checkpoints and elastic resets carry
-# them.
+# them; broadcast_optimizer_state sends the root's counts and Qs (shared_state), so a rank that
+# did not load the checkpoint makes the root's warm-up decisions. The held gradients are listed
+# by name before the two rounds: hooks fire in different orders on ranks that used different
+# parameters, and a grouped allreduce pairs its members by position.
 
 
 class PowerSGD(NoneCompressor):
@@ -141,10 +144,12 @@ class PowerSGD(NoneCompressor):
         return (f"Compression.powersgd(rank={self.rank}, warmup_steps={self.warmup_steps}, "
                 f"min_compression_rate={self.min_compression_rate:g}, seed={self.seed})")
 
-    def compressible(self, grad):
-        if grad is None or grad.is_sparse or not grad.is_floating_point() or grad.dim() < 2:
+    def compressible(self, param):
+        """From the parameter, not its gradient, whose layout (sparse on a rank that used an
+        embedding, dense zeros on one that did not) may differ between ranks."""
+        if not param.is_floating_point() or param.dim() < 2:
             return False
-        n, m = grad.shape[0], grad.numel() // max(1, grad.shape[0])
+        n, m = param.shape[0], param.numel() // max(1, param.shape[0])
         r = min(self.rank, n, m)
         return r > 0 and n * m >= self.min_compression_rate * (n + m) * r
 
@@ -161,7 +166,7 @@ class PowerSGD(NoneCompressor):
             name = names[p]
             done = self._steps.get(name, 0)
             self._steps[name] = done + 1
-            (held if done >= self.warmup_steps and self.compressible(p.grad) else send).append(p)
+            (held if done >= self.warmup_steps and self.compressible(p) else send).append(p)
         if not held:
             return send, None, held
         self._held.extend((p, names[p]) for p in held)
@@ -176,19 +181,24 @@ class PowerSGD(NoneCompressor):
         held, self._held = self._held, []
         if not held:
             return
+        # Hooks fire in an order that can differ between ranks (a parameter unused on one rank
+        # is submitted there only at synchronize()): the grouped allreduces pair members by
+        # position, so every rank lists them by name.
+        held.sort(key=lambda entry: entry[1])
         optimizer = self._owner
         process_set = optimizer._process_set
         size = process_set.size()
         work = []
         for p, name in held:
-            grad = p.grad
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # sparse_as_dense
             n = grad.shape[0]
             wide = torch.promote_types(grad.dtype, torch.float32)
             # M lives in the gradient itself where it is dense and float32 or wider, so a step
             # allocates nothing of the gradient's size (fresh 64 MB tensors cost 20 ms of page
             # faults here); else in a widened copy
-            in_place = grad.dtype == wide and grad.is_contiguous()
-            matrix = grad.view(n, -1) if in_place else grad.reshape(n, -1).to(wide)
+            in_place = grad is p.grad and grad.dtype == wide and grad.is_contiguous()
+            # (a copy otherwise: a strided float32 gradient's reshape can be a view of it)
+            matrix = grad.view(n, -1) if in_place else grad.reshape(n, -1).to(wide, copy=True).contiguous()
             r = min(self.rank, n, matrix.shape[1])
             error = self._error.get(name)
             if self.error_feedback and error is not None:
@@ -220,17 +230,25 @@ class PowerSGD(NoneCompressor):
             # no new error to keep: the result goes straight into M's memory (a non-finite one is
             # handed on for AMP's scaler to see; the error and Q stay those of the last finite step)
             torch.mm(factor * scale, q_sum.t(), out=matrix)
-            if finite:
+            if finite and _surely_finite(factor, q_sum, matrix):
                 self._q[name] = q_sum
             if not in_place:
-                p.grad.copy_(matrix.view_as(p.grad))
+                _hand_back(p, matrix)
             return
-        self._q[name] = q_sum
         buffer = self._error.get(name)  # the last error, already added into M
         if buffer is None or buffer.shape != matrix.shape or buffer.dtype != matrix.dtype \
                 or buffer.device != matrix.device:
             buffer = torch.empty_like(matrix)
         torch.mm(factor, q_sum.t(), out=buffer)  # the mean
+        if not _surely_finite(factor, q_sum, buffer):
+            # finite factors whose product overflowed: the non-finite mean is handed on, and the
+            # parameter's error (just overwritten in `buffer`) and Q start afresh next step, the
+            # same on every rank (they all hold the same mean)
+            self._error.pop(name, None)
+            self._q.pop(name, None)
+            _hand_back(p, buffer)
+            return
+        self._q[name] = q_sum
         matrix.sub_(buffer)                      # M - mean: the new error, in M's memory
         self._error[name] = matrix
         if scale != 1.0:
@@ -238,7 +256,7 @@ class PowerSGD(NoneCompressor):
         if in_place:
             p.grad = buffer.view_as(p.grad)       # the two swap roles: no copy
         else:
-            p.grad.copy_(buffer.view_as(p.grad))
+            _hand_back(p, buffer)
 
     def _initial_q(self, name, m, r, like):
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
@@ -247,12 +265,36 @@ class PowerSGD(NoneCompressor):
     def state_dict(self):
         return {"steps": dict(self._steps), "error": dict(self._error), "q": dict(self._q)}
 
+    def shared_state(self):
+        """What every rank must hold alike (the counts decide warm-up, the Qs are the same on
+        every rank); the error buffers are each rank's own. broadcast_optimizer_state sends it."""
+        return {"steps": dict(self._steps), "q": {k: v.cpu() for k, v in self._q.items()}}
+
+    def load_shared_state(self, state):
+        self._steps = dict(state["steps"])
+        self._q = {k: v.clone() for k, v in state["q"].items()}
+
     def load_state_dict(self, state):
         # copies: the buffers are updated in place from here on
         self._steps = dict(state.get("steps", {}))
         self._error = {k: v.clone() for k, v in state.get("error", {}).items()}
         self._q = {k: v.clone() for k, v in state.get("q", {}).items()}
         self._held = []
+
+
+def _surely_finite(factor, q_sum, product):
+    """Whether factor @ q_sum^T (already in `product`) is finite: a bound from the factors'
+    largest entries where that settles it, else a look at the product."""
+    bound = float(factor.abs().max()) * float(q_sum.abs().max()) * factor.shape[1]
+    return bound < torch.finfo(product.dtype).max or bool(torch.isfinite(product).all())
+
+
+def _hand_back(p, result):
+    """The reduced gradient into p.grad (dense: a sparse_as_dense gradient comes back dense)."""
+    if p.grad.is_sparse or p.grad.shape != p.shape:
+        p.grad = result.reshape(p.shape).to(p.dtype)
+    else:
+        p.grad.copy_(result.view_as(p.grad))
 
 
 def _orthonormal(p):

@@ -116,6 +116,11 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
             for key, value in hyper.items():
                 _set_hyperparameter(group, key, value)
     ops._synchronize_all(handles)
+    compression = getattr(optimizer, "_compression", None)
+    if hasattr(compression, "shared_state"):  # Note [PowerSGD]: the root's counts and Qs
+        shared = broadcast_object(compression.shared_state() if is_root else None, root,
+                                  name="broadcast_optimizer_state.powersgd", process_set=process_set)
+        compression.load_shared_state(shared)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):

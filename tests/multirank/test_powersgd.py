@@ -207,3 +207,82 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="works with op=Average or Sum"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum,
                                  compression=hvd.Compression.powersgd())
+
+
+class _Branches(torch.nn.Module):
+    """Two same-shape compressed layers (a swap between them would go unnoticed by shape
+    checks) and one whose parameter, and so its gradient, is a transposed (strided) tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = torch.nn.Linear(16, 16, bias=False)
+        self.b = torch.nn.Linear(16, 16, bias=False)
+        self.c = torch.nn.Parameter(torch.randn(16, 12).t())  # 12 x 16, strides of a transpose
+
+    def forward(self, x, use_a=True):
+        h = self.b(x) + (self.a(x) if use_a else 0)
+        return h @ self.c.t()
+
+
+def _unused_and_strided(steps=4):
+    """Rank 1 skips branch `a` on even steps: its gradient then joins at synchronize(), after
+    the others, so the ranks' hooks fire in different orders."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    model, shadow = _Branches(), _Branches()
+    assert not model.c.is_contiguous()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.powersgd(rank=2, seed=SEED))
+    ref = Reference(2, 0, size)
+    worst = []
+    for step in range(steps):
+        shadow.load_state_dict(model.state_dict())
+        use_a = not (rank == 1 and step % 2 == 0)
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(6, 16, generator=g), torch.randn(6, 12, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x, use_a), y).backward()
+        shadow.zero_grad()
+        torch.nn.functional.mse_loss(shadow(x, use_a), y).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            local = dict(shadow.named_parameters())[name].grad
+            local = torch.zeros_like(p) if local is None else local
+            every = hvd.allgather(local.unsqueeze(0), name=f"ref.{step}.{name}").unbind(0)
+            want = ref.reduce("grad." + name, list(every))
+            worst.append(float((p.grad - want).abs().max() / want.abs().max().clamp_min(1e-12)))
+        with opt.skip_synchronize():
+            opt.step()
+    hvd.shutdown()
+    return worst
+
+
+def test_unused_parameters_and_strided_gradients_match_the_reference():
+    for worst in run_ranks(2, __name__, "_unused_and_strided", timeout=120):
+        assert all(d < 1e-4 for d in worst), worst
+
+
+def _broadcast_state():
+    hvd.init()
+    rank = hvd.rank()
+    model = _model()
+    compression = hvd.Compression.powersgd(rank=2, warmup_steps=2, seed=SEED)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression=compression)
+    if rank == 0:  # as if only rank 0 had loaded a checkpoint past the warm-up
+        compression.load_state_dict({"steps": {n: 5 for n in opt._names.values()}})
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    counts = dict(compression.state_dict()["steps"])
+    x, y = _batch(0, rank)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()  # every rank compresses: no rank sends an ordinary allreduce the others hold back
+    hvd.shutdown()
+    return counts
+
+
+def test_broadcast_optimizer_state_carries_the_counts_that_decide_warm_up():
+    for counts in run_ranks(2, __name__, "_broadcast_state", timeout=120):
+        assert set(counts.values()) == {5}, counts
