@@ -147,6 +147,21 @@ std::atomic<uint64_t>& ShmChannel::Arrived(int rank) const {
   return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + 64 + 64 * rank);
 }
 
+std::atomic<uint32_t>& ShmChannel::Inside(int rank) const {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base_) + 64 + 64 * rank + 8);
+}
+
+void ShmChannel::AwaitPeersOut() {
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  for (int r = 0; r < size_; ++r) {
+    while (r != rank_ && Inside(r).load() != 0 && Alive(pids_[r]) && Clock::now() < deadline) {
+      const char state = ProcessState(pids_[r]);
+      if (state == 'T' || state == 't') break;  // stopped: it cannot be waited for
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+}
+
 char* ShmChannel::Slot(int bank, int rank) const {
   return static_cast<char*>(base_) + HeaderBytes(size_) + ControlBytes(size_) +
          (static_cast<size_t>(bank) * (size_ + 1) + rank) * chunk_;

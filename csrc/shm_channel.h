@@ -81,7 +81,10 @@
 // groups.py): every rank publishes the address of a probe word (ProbeAddress), every rank reads
 // and writes every peer's (CanReach), and single copy is on only where all of them could
 // (EnableSingleCopy on every rank or none), since both barriers and the bank alternation must
-// match on every rank. HVDLITE_SINGLE_COPY=0 keeps the staged path. A prescaled batch through
+// match on every rank. A rank that fails in the middle sets the abort word, which its peers
+// check before every block, and waits for them to leave (their Inside word) before it returns,
+// so no peer writes into tensors it frees afterwards; a peer that is stopped (SIGSTOP) is not
+// waited for, and could still write one block when it resumes. HVDLITE_SINGLE_COPY=0 keeps the staged path. A prescaled batch through
 // pieces is scaled into its output first (or in place), so what peers read is the scaled data,
 // as a fused buffer's is. The hierarchical route keeps the staged path (its `across` runs per
 // chunk).
@@ -225,6 +228,13 @@ class ShmChannel {
   static size_t ControlBytes(int size) { return 2 * static_cast<size_t>(size) * kControlSlot; }
   char* ControlSlot(int bank, int rank) const;
   std::atomic<uint64_t>& Arrived(int rank) const;
+  // Note [Single-copy allreduce]: 1 while `rank` may still read or write its peers' tensors (the
+  // word after its arrival counter, on the same cache line).
+  std::atomic<uint32_t>& Inside(int rank) const;
+  // After this rank failed inside a single-copy allreduce: waits (at most 10 s) until every
+  // peer that is alive and not stopped has left it, so none writes into tensors this rank is
+  // about to free.
+  void AwaitPeersOut();
 
   void Barrier();
   void Wait(uint64_t target);

@@ -95,6 +95,7 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
     std::memcpy(mine, counts, sizeof(counts));
     std::memcpy(mine + 16, in.data(), 16 * in.size());
     std::memcpy(mine + 16 + 16 * in.size(), out.data(), 16 * out.size());
+    Inside(rank_).store(1);
     Barrier();
 
     // Every rank's lists, with each span's first byte (for Locate).
@@ -194,6 +195,10 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
     const int64_t begin = std::min(total, rank_ * share), end = std::min(total, begin + share);
     const int64_t per_block = kBlockBytes / element;
     for (int64_t offset = begin; offset < end; offset += per_block) {
+      if (const int32_t aborted = header_->abort.load(); aborted != 0) {  // a peer failed: stop touching its memory
+        throw std::runtime_error("rank " + std::to_string(ranks_[aborted - 1]) +
+                                 " stopped taking part in the shared-memory channel");
+      }
       const int64_t n = std::min(per_block, end - offset);
       const uint64_t at = static_cast<uint64_t>(offset * element), bytes = static_cast<uint64_t>(n * element);
       // The sum goes straight into this rank's output where one span holds the block and this
@@ -221,8 +226,11 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
       }
     }
     Barrier();  // every share is in every output; no one reads this rank's input any more
+    Inside(rank_).store(0);
   } catch (...) {
+    Inside(rank_).store(0);
     Abort();
+    AwaitPeersOut();
     throw;
   }
 }
