@@ -47,7 +47,7 @@ class SharedMemoryRoute : public CpuRoute {
   explicit SharedMemoryRoute(ShmChannel* shm) : shm_(shm) {}
   std::string name() const override {
     return shm_->single_copy_enabled() ? "shared memory (single copy from " +
-                                             std::to_string(ShmChannel::kSingleCopyMinBytes >> 20) + " MB)"
+                                             std::to_string(shm_->single_copy_min() >> 20) + " MB)"
                                        : "shared memory";
   }
 

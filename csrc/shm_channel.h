@@ -188,7 +188,7 @@ class ShmChannel {
 
   // Note [Single-copy allreduce]: the probe and the switch (every rank or none).
   uint64_t ProbeAddress() { return reinterpret_cast<uint64_t>(&probe_word_); }
-  uint64_t ProbeValue() const { return kProbeMagic ^ static_cast<uint64_t>(getpid()); }
+  uint64_t ProbeValue() const { return probe_word_; }
   // Whether this process can read the word at `address` in `pid` (it must hold `value`) and write
   // it back, through process_vm_readv/writev.
   static bool CanReach(int64_t pid, uint64_t address, uint64_t value);
@@ -208,6 +208,7 @@ class ShmChannel {
     return min > 0 && bytes >= min;
   }
   bool single_copy_enabled() const { return single_copy_min_.load() > 0; }
+  int64_t single_copy_min() const { return single_copy_min_.load(); }
   static constexpr int64_t kSingleCopyMinBytes = 8LL << 20;
 
   static size_t SegmentBytes(int size, int64_t chunk_bytes = 0);
