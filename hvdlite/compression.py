@@ -155,7 +155,8 @@ class PowerSGD(NoneCompressor):
 
     def hold(self, params, names, optimizer):
         """DistributedOptimizer._submit (its lock held): counts one reduction of each parameter
-        and keeps the ones to compress. Returns (parameters to send now, finish callback or None)."""
+        and keeps the ones to compress. Returns (parameters to send now, finish callback or None,
+        the parameters held)."""
         if self._owner is None:
             self._owner = optimizer
         elif self._owner is not optimizer:
