@@ -2,10 +2,14 @@
 writes each rank's final parameters to OUT/<tag>.rank<r>.pt. reference() is one process on
 the combined batch.
 
-    python tests/lightning/fabric_job.py OUT TAG [--accumulate N] [--clip NORM]
+    python tests/lightning/fabric_job.py OUT TAG [--accumulate N] [--clip NORM] [--clip-value V]
+    python tests/lightning/fabric_job.py OUT - --case TAG=OPTIONS [--case ...]
+
+With --case, one Fabric runs the loop once per case, each from a fresh model and optimizer.
 """
 import argparse
 import os
+import shlex
 import sys
 
 import torch
@@ -34,12 +38,21 @@ def main():
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--clip-value", type=float, default=None)
+    parser.add_argument("--case", action="append", default=[], metavar="TAG=OPTIONS")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from lightning.fabric import Fabric
     import hvdlite.lightning  # noqa: F401  (registers the strategy "hvdlite")
     fabric = Fabric(strategy="hvdlite", accelerator="cpu")
     fabric.launch()
+    if not args.case:
+        loop(fabric, args)
+    for case in args.case:
+        tag, _, options = case.partition("=")
+        loop(fabric, parser.parse_args([args.out, tag, *shlex.split(options)]))
+
+
+def loop(fabric, args):
     net = model()
     net, opt = fabric.setup(net, optimizer("sgd", net.parameters()))
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset(), batch_size=PER_RANK, shuffle=False))

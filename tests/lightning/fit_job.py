@@ -7,6 +7,7 @@ one process on the combined batch.
 """
 import argparse
 import os
+import shlex
 import sys
 
 import torch
@@ -202,8 +203,28 @@ def main():
     parser.add_argument("--stages", action="store_true", help="validate() and predict() after fit()")
     parser.add_argument("--fast-dev-run", action="store_true")
     parser.add_argument("--option", default=None, help="fp16 | predivide | sum: a strategy option")
+    parser.add_argument("--case", action="append", default=[], metavar="TAG=OPTIONS",
+                        help="fit once more, as TAG with these extra options (one process, several fits)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if not args.case:
+        fit(args)
+        return
+    # Several cases in one launch (each test of a launch costs seconds of process start): every
+    # fit builds its own strategy and Trainer, so each one's teardown shuts hvdlite down and the
+    # next one's setup initializes it again.
+    base, argv = [], iter(sys.argv[1:])
+    for a in argv:
+        if a == "--case":
+            next(argv)
+        elif not a.startswith("--case="):
+            base.append(a)
+    for case in args.case:
+        tag, _, options = case.partition("=")
+        fit(parser.parse_args(base[:1] + [tag] + base[2:] + shlex.split(options)))
+
+
+def fit(args):
     if args.strategy == "ddp-hvdlite":
         from lightning.pytorch.strategies import DDPStrategy
         strategy = DDPStrategy(process_group_backend="hvdlite")

@@ -29,56 +29,74 @@ def _assert_params(got, expected, atol=1e-6):
         assert torch.allclose(a, b, atol=atol), (got["rank"], (a - b).abs().max())
 
 
-@pytest.mark.parametrize("options,reference", [
-    ((), {}),
-    (("--optimizer", "adam"), {"optimizer_name": "adam"}),
-    (("--accumulate", "2"), {"accumulate": 2}),
-    (("--clip", "0.05"), {"clip": 0.05}),
-    (("--clip-value", "0.02"), {"clip_value": 0.02}),
-    (("--scheduler",), {"scheduler": True}),
+# One launch fits every case below in turn (tests/lightning/fit_job.py --case): a launch costs
+# seconds of process start, a fit of this model a fraction of one.
+FIT_CASES = {"fit": "", "adam": "--optimizer adam", "accumulate": "--accumulate 2", "clip": "--clip 0.05",
+             "clip_value": "--clip-value 0.02", "lr_scheduler": "--scheduler", "fp16": "--option fp16",
+             "predivide": "--option predivide", "sum": "--option sum", "manual": "--manual",
+             "bf16": "--precision bf16-mixed"}
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """The launch's folder: <tag>.rank<r>.pt per case, and two.ckpt, written by the case "first"."""
+    out = tmp_path_factory.mktemp("fits")
+    cases = {**FIT_CASES, "first": f"--save {out / 'two.ckpt'}", "stages": "--stages", "dev": "--fast-dev-run"}
+    launch(HVDLITERUN + [sys.executable, JOB, str(out), "cases", "hvdlite",
+                         *(f"--case={tag}={options}" for tag, options in cases.items())], out, timeout=300)
+    return out
+
+
+@pytest.fixture
+def fits(fitted):
+    return lambda tag: results(fitted, tag, 2)
+
+
+@pytest.mark.parametrize("tag,reference", [
+    ("fit", {}),
+    ("adam", {"optimizer_name": "adam"}),
+    ("accumulate", {"accumulate": 2}),
+    ("clip", {"clip": 0.05}),
+    ("clip_value", {"clip_value": 0.02}),
+    ("lr_scheduler", {"scheduler": True}),
 ], ids=["sgd", "adam", "accumulate", "clip", "clip_value", "lr_scheduler"])
-def test_a_fit_equals_one_process_on_the_combined_batch(tmp_path, options, reference):
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "fit", "hvdlite", *options], tmp_path)
+def test_a_fit_equals_one_process_on_the_combined_batch(fits, tag, reference):
     expected = reference_fit(2, **reference)
-    for r, got in enumerate(results(tmp_path, "fit", 2)):
+    for r, got in enumerate(fits(tag)):
         assert (got["rank"], got["size"]) == (r, 2)
         _assert_params(got, expected)
 
 
 @pytest.mark.parametrize("option,atol", [("fp16", 1e-3), ("predivide", 1e-6)])
-def test_the_strategys_options_reach_the_distributed_optimizer(tmp_path, option, atol):
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), option, "hvdlite", "--option", option], tmp_path)
+def test_the_strategys_options_reach_the_distributed_optimizer(fits, option, atol):
     expected = reference_fit(2)
-    runs = results(tmp_path, option, 2)
+    runs = fits(option)
     for got in runs:
         _assert_params(got, expected, atol=atol)
     if option == "fp16":  # the gradients went over the wire as float16: not bitwise the reference
         assert any(not torch.equal(a, b) for a, b in zip(runs[0]["params"], expected))
 
 
-def test_op_sum_sums_the_gradients(tmp_path):
+def test_op_sum_sums_the_gradients(fits):
     # HvdliteStrategy(op=hvd.Sum): with 2 ranks, the step of one process on twice the loss
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "sum", "hvdlite", "--option", "sum"], tmp_path)
     from tests.lightning.fit_job import _orders, PER_RANK, SAMPLES, one_process
     steps = [[order[k * PER_RANK:(k + 1) * PER_RANK] for order in _orders(2, epoch)]
              for epoch in range(2) for k in range(SAMPLES // (PER_RANK * 2))]
     expected = one_process(steps, scale=2.0)  # the sum of the two ranks' mean losses
-    for got in results(tmp_path, "sum", 2):
+    for got in fits("sum"):
         _assert_params(got, expected, atol=1e-5)
 
 
-def test_manual_optimization_with_two_optimizers_equals_one_process(tmp_path):
+def test_manual_optimization_with_two_optimizers_equals_one_process(fits):
     from tests.lightning.fit_job import reference_manual
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "manual", "hvdlite", "--manual"], tmp_path)
     expected = reference_manual(2)
-    for got in results(tmp_path, "manual", 2):
+    for got in fits("manual"):
         assert len(got["params"]) == len(expected) == 6
         _assert_params(got, expected)
 
 
-def test_logging_and_the_strategys_collectives_agree_on_every_rank(tmp_path):
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "fit", "hvdlite"], tmp_path)
-    runs = results(tmp_path, "fit", 2)
+def test_logging_and_the_strategys_collectives_agree_on_every_rank(fits):
+    runs = fits("fit")
     assert runs[0]["loss"] == runs[1]["loss"]  # self.log(..., sync_dist=True): one value
     for r, got in enumerate(runs):
         assert got["rank_mean"] == 0.5, got  # the mean of the ranks' 0 and 1
@@ -91,10 +109,9 @@ def test_logging_and_the_strategys_collectives_agree_on_every_rank(tmp_path):
         assert seen["grad"] == [4.0 * (r + 1)] * 2, seen
 
 
-def test_a_checkpoint_written_by_rank_0_resumes_on_two_ranks(tmp_path):
-    ckpt = tmp_path / "two.ckpt"
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "first", "hvdlite", "--save", str(ckpt)], tmp_path)
-    assert [got["written"] for got in results(tmp_path, "first", 2)] == [True, True]  # after its barrier
+def test_a_checkpoint_written_by_rank_0_resumes_on_two_ranks(fitted, tmp_path):
+    ckpt = fitted / "two.ckpt"
+    assert [got["written"] for got in results(fitted, "first", 2)] == [True, True]  # after its barrier
     launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "resumed", "hvdlite", "--resume", str(ckpt),
                          "--epochs", "3"], tmp_path)
     expected = reference_fit(2, epochs=3)  # an uninterrupted run of three epochs
@@ -102,10 +119,8 @@ def test_a_checkpoint_written_by_rank_0_resumes_on_two_ranks(tmp_path):
         _assert_params(got, expected)
 
 
-def test_bf16_mixed_trains_alike_on_both_ranks(tmp_path):
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "bf16", "hvdlite", "--precision", "bf16-mixed"],
-           tmp_path)
-    runs = results(tmp_path, "bf16", 2)
+def test_bf16_mixed_trains_alike_on_both_ranks(fits):
+    runs = fits("bf16")
     assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))
     _assert_params(runs[0], reference_fit(2), atol=0.05)  # bfloat16 forward, fp32 updates
 
@@ -136,15 +151,23 @@ def test_the_strategy_under_torchrun(tmp_path):
 FABRIC_JOB = os.path.join(os.path.dirname(JOB), "fabric_job.py")
 
 
-@pytest.mark.parametrize("options,reference", [((), {}), (("--accumulate", "2"), {"accumulate": 2}),
-                                               (("--clip", "0.05"), {"clip": 0.05}),
-                                               (("--clip-value", "0.02"), {"clip_value": 0.02})],
-                         ids=["plain", "no_backward_sync", "clip_gradients", "clip_by_value"])
-def test_a_fabric_loop_equals_one_process_on_the_combined_batch(tmp_path, options, reference):
+FABRIC_CASES = {"plain": ("", {}), "no_backward_sync": ("--accumulate 2", {"accumulate": 2}),
+                "clip_gradients": ("--clip 0.05", {"clip": 0.05}), "clip_by_value": ("--clip-value 0.02", {"clip_value": 0.02})}
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric")  # one launch, one Fabric, a loop per case
+    launch(HVDLITERUN + [sys.executable, FABRIC_JOB, str(out), "-",
+                         *(f"--case={tag}={options}" for tag, (options, _) in FABRIC_CASES.items())], out)
+    return out
+
+
+@pytest.mark.parametrize("tag", list(FABRIC_CASES))
+def test_a_fabric_loop_equals_one_process_on_the_combined_batch(fabric_runs, tag):
     from tests.lightning.fabric_job import reference as fabric_reference
-    launch(HVDLITERUN + [sys.executable, FABRIC_JOB, str(tmp_path), "fabric", *options], tmp_path)
-    expected = fabric_reference(2, **reference)
-    for r, got in enumerate(results(tmp_path, "fabric", 2)):
+    expected = fabric_reference(2, **FABRIC_CASES[tag][1])
+    for r, got in enumerate(results(fabric_runs, tag, 2)):
         assert (got["rank"], got["size"], got["mean"]) == (r, 2, 0.5)
         _assert_params(got, expected)
 
@@ -163,12 +186,11 @@ def test_the_references_of_the_cases_differ():
         assert max((a - b).abs().max().item() for a, b in zip(plain, other)) > 1e-3
 
 
-def test_validate_and_predict_after_fit_and_fast_dev_run(tmp_path):
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "stages", "hvdlite", "--stages"], tmp_path)
+def test_validate_and_predict_after_fit_and_fast_dev_run(fitted):
     from tests.lightning.fit_job import dataset, model
     net = model()
     x, y = dataset().tensors
-    runs = results(tmp_path, "stages", 2)
+    runs = results(fitted, "stages", 2)
     for r, got in enumerate(runs):
         for p, trained in zip(net.parameters(), got["params"]):
             p.data.copy_(trained)
@@ -177,5 +199,4 @@ def test_validate_and_predict_after_fit_and_fast_dev_run(tmp_path):
             expected = sum(torch.nn.functional.mse_loss(net(x[k::2]), y[k::2]) for k in range(2)) / 2
             assert abs(got["stages"]["val_loss"] - expected.item()) < 1e-6, (r, got["stages"]["val_loss"])
             assert torch.allclose(got["stages"]["predicted"], net(x[r::2]), atol=1e-6)  # its own half
-    launch(HVDLITERUN + [sys.executable, JOB, str(tmp_path), "dev", "hvdlite", "--fast-dev-run"], tmp_path)
-    assert [got["rank"] for got in results(tmp_path, "dev", 2)] == [0, 1]
+    assert [got["rank"] for got in results(fitted, "dev", 2)] == [0, 1]
