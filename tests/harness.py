@@ -2,7 +2,8 @@
 
     results = run_ranks(2, "tests.multirank.test_allreduce", "check_sum", arg1, ...)
 
-Each rank is a fresh interpreter with the variables hvdliterun would set (HVDLITE_RANK, ...,
+Each rank is its own process (forked from a zygote that has imported torch: tests/zygote.py) with
+the variables hvdliterun would set (HVDLITE_RANK, ...,
 rendezvous on a TCPStore this process hosts on a free port) and one torch thread. The function
 (module-level, named by module and attribute) runs with (*args) and its return value comes back
 pickled, in rank order. A rank that fails raises AssertionError carrying its traceback; a job
@@ -60,6 +61,29 @@ def rank_env(rank, size, port, extra=None):
     return env
 
 
+_ZYGOTES = {}  # rank index -> tests/zygote.py's Zygote
+_IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "TORCH_", "PYTORCH_", "LD_", "PYTHON")  # read by `import torch`
+
+
+def _start_rank(rank, argv, env, out_path):
+    """A rank process running _BOOT: forked from rank index `rank`'s zygote (tests/zygote.py)
+    unless the job sets a variable that `import torch` reads, or HVDLITE_TEST_FRESH_RANKS=1."""
+    base = {k: v for k, v in rank_env(0, 1, 0).items() if not k.startswith("HVDLITE_")}
+    fresh = os.environ.get("HVDLITE_TEST_FRESH_RANKS") == "1" or any(
+        env.get(k) != base.get(k) for k in set(env) | set(base) if k.startswith(_IMPORT_TIME))
+    if not fresh:
+        from tests.zygote import Zygote
+        if rank not in _ZYGOTES:
+            _ZYGOTES[rank] = Zygote(base, REPO)
+        try:
+            return _ZYGOTES[rank].start(_BOOT, ["-c", *argv], env, out_path, REPO)
+        except RuntimeError:
+            del _ZYGOTES[rank]  # a zygote that died: this rank starts fresh, the next job makes a new one
+    with open(out_path, "wb") as out:
+        return subprocess.Popen([sys.executable, "-c", _BOOT, *argv], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, cwd=REPO)
+
+
 class Job:
     """N rank processes running one function; start() then wait(), or use run_ranks()."""
 
@@ -76,11 +100,9 @@ class Job:
             extra = dict(env or {})
             extra.update((rank_env_extra or {}).get(rank, {}))
             extra.setdefault("HVDLITE_JOB_DIR", os.path.join(self.dir, "job"))  # dumps go with the Job
-            out = open(os.path.join(self.dir, f"out.{rank}"), "wb")
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", _BOOT, args_path, os.path.join(self.dir, f"result.{rank}")],
-                env=rank_env(rank, size, self.store.port, extra), stdout=out,
-                stderr=subprocess.STDOUT, cwd=REPO))
+            self.procs.append(_start_rank(rank, [args_path, os.path.join(self.dir, f"result.{rank}")],
+                                          rank_env(rank, size, self.store.port, extra),
+                                          os.path.join(self.dir, f"out.{rank}")))
         self.started = time.monotonic()
 
     def output(self, rank):
