@@ -104,9 +104,11 @@ class Compression:
 # step: an inf is never folded into the error buffer. The error buffers, Qs and counts travel in
 # ``DistributedOptimizer.state_dict()`` (key "powersgd"), so checkpoints and elastic resets carry
 # them; broadcast_optimizer_state sends the root's counts and Qs (shared_state), so a rank that
-# did not load the checkpoint makes the root's warm-up decisions. The held gradients are listed
-# by name before the two rounds: hooks fire in different orders on ranks that used different
-# parameters, and a grouped allreduce pairs its members by position.
+# did not load the checkpoint makes the root's warm-up decisions. A step that a change of hosts
+# interrupts is run again on state kept as it was, so its counts are undone (forget) unless
+# synchronize() completed it (settle): counted twice, warm-up would end a step early. The held
+# gradients are listed by name before the two rounds: hooks fire in different orders on ranks
+# that used different parameters, and a grouped allreduce pairs its members by position.
 
 
 class PowerSGD(NoneCompressor):
@@ -138,6 +140,7 @@ class PowerSGD(NoneCompressor):
         self._error = {}   # name -> n x m error buffer (float32, or the gradient's dtype if wider)
         self._q = {}       # name -> m x r
         self._held = []    # (parameter, name) waiting for this step's two rounds
+        self._counted = {}  # name -> its count before this step (until the step completes)
         self._owner = None
 
     def __repr__(self):
@@ -166,6 +169,7 @@ class PowerSGD(NoneCompressor):
         for p in params:
             name = names[p]
             done = self._steps.get(name, 0)
+            self._counted.setdefault(name, done)
             self._steps[name] = done + 1
             (held if done >= self.warmup_steps and self.compressible(p) else send).append(p)
         if not held:
@@ -174,8 +178,16 @@ class PowerSGD(NoneCompressor):
         return send, self._flush, held
 
     def forget(self):
-        """A failed step's held gradients are dropped (elastic reset; the state is restored)."""
+        """A step that did not complete (elastic reset): its held gradients are dropped and its
+        counts undone. After a rank failure the state is restored anyway; after a change of
+        hosts it is kept as it was and the step runs again, which must count once."""
         self._held = []
+        self._steps.update(self._counted)
+        self._counted = {}
+
+    def settle(self):
+        """DistributedOptimizer.synchronize(): the step's reductions all completed."""
+        self._counted = {}
 
     def _flush(self, _result=None):
         """The two rounds for every held gradient of this step (from synchronize())."""
@@ -273,6 +285,7 @@ class PowerSGD(NoneCompressor):
 
     def load_shared_state(self, state):
         self._steps = dict(state["steps"])
+        self._counted = {}
         self._q = {k: v.clone() for k, v in state["q"].items()}
 
     def load_state_dict(self, state):
@@ -281,6 +294,7 @@ class PowerSGD(NoneCompressor):
         self._error = {k: v.clone() for k, v in state.get("error", {}).items()}
         self._q = {k: v.clone() for k, v in state.get("q", {}).items()}
         self._held = []
+        self._counted = {}
 
 
 def _surely_finite(factor, q_sum, product):

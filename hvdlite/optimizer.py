@@ -297,6 +297,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 error = error or exc
         if error is not None:
             raise error
+        if hasattr(self._compression, "settle"):
+            self._compression.settle()  # Note [PowerSGD]: the step counts from here on
         self._synchronized = True
 
     @contextlib.contextmanager

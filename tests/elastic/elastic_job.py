@@ -16,6 +16,7 @@ decide when to kill a worker or change the hosts, and to measure reset times.
 """
 import json
 import os
+import sys
 import time
 
 import torch
@@ -48,13 +49,10 @@ state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler
 state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 if os.environ.get("ELASTIC_DURABLE"):  # every commit also written there (Note [No survivor])
     state.keep_durable_copy(os.environ["ELASTIC_DURABLE"])
-log = open(os.path.join(OUT, f"progress.{os.getpid()}"), "a", buffering=1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import recorder  # noqa: E402
 
-
-def note(**fields):
-    fields.update(t=time.time(), pid=os.getpid(), host=os.environ.get("HVDLITE_HOSTNAME"),
-                  generation=int(os.environ.get("HVDLITE_ELASTIC_GENERATION", "-1")))
-    log.write(json.dumps(fields) + "\n")
+note = recorder(OUT)
 
 
 @hvd.elastic.run

@@ -1,9 +1,12 @@
 """hvdliterun's elastic mode end to end, on hosts 127.0.0.x of this machine.
 
-Every job trains elastic_job.py's counting model, so each test also checks that no sample was
-lost or repeated through its resets (check_every_sample_once_per_epoch).
+Every job but one trains elastic_job.py's counting model, so each test also checks that no
+sample was lost or repeated through its resets (check_every_sample_once_per_epoch); the last
+test trains powersgd_job.py's MLP with PowerSGD.
 """
 import collections
+import os
+import sys
 
 from tests.elastic.harness import ElasticRun
 
@@ -239,3 +242,47 @@ def test_workers_that_joined_in_the_last_generation_keep_its_state(elastic_runs)
     first = min(after, key=lambda e: e["t"])
     assert (first["epoch"], first["batch"]) >= (joined["epoch"], joined["batch"]), (joined, first)
     run.check_every_sample_once_per_epoch()
+
+
+def test_powersgd_state_survives_a_reset_alike_on_every_rank(elastic_runs):
+    """A rank killed, then a host added, while the job trains with Compression.powersgd: the
+    survivors roll back, and every rank, the new one included, takes rank 0's reduction counts
+    and Qs (broadcast_optimizer_state, Note [PowerSGD]); a newcomer that kept its own (no Qs,
+    counts of 0) would warm up alone and break the job. They end with the same parameters and
+    Qs, every step counted once, and the model learned."""
+    import torch
+
+    from tests.elastic import powersgd_job
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "powersgd_job.py")
+    run = _start(elastic_runs, ["127.0.0.1:2", "127.0.0.2:2"], command=[sys.executable, job],
+                 env={"ELASTIC_STEPS": "60"})
+    run.wait_steps(8, size=4)
+    run.kill(run.pids_on("127.0.0.2")[:1])
+    run.wait_steps(4, size=2)
+    run.set_hosts(["127.0.0.1:2", "127.0.0.3:1"])
+    code, out = run.finish()
+    assert code == 0, out
+    assert "rolled back to the last commit" in out, out
+    finals = [torch.load(os.path.join(run.dir, f"final.{r}.pt")) for r in range(3)]
+    assert [f["size"] for f in finals] == [3, 3, 3], out
+    assert "127.0.0.3" in {e["host"] for e in run.steps(size=3)}
+    for other in finals[1:]:
+        for a, b in zip(finals[0]["params"], other["params"]):
+            assert torch.equal(a, b)
+    shared = [f["shared"] for f in finals]
+    # the two weight matrices were compressed (biases are 1-D): 60 reductions each, no
+    # rolled-back step counted twice
+    assert sorted(shared[0]["q"]) == ["grad.0.weight", "grad.2.weight"], shared[0]["q"].keys()
+    assert shared[0]["steps"]["grad.0.weight"] == shared[0]["steps"]["grad.2.weight"] == 60, shared[0]["steps"]
+    for other in shared[1:]:
+        assert other["steps"] == shared[0]["steps"]
+        for name in shared[0]["q"]:
+            assert torch.equal(shared[0]["q"][name], other["q"][name]), name
+    x, y = powersgd_job.data()
+    net = powersgd_job.model()
+    before = torch.nn.functional.mse_loss(net(x), y).item()
+    with torch.no_grad():
+        for p, trained in zip(net.parameters(), finals[0]["params"]):
+            p.copy_(trained)
+    after = torch.nn.functional.mse_loss(net(x), y).item()
+    assert after < 0.5 * before, (before, after)
