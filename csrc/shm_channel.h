@@ -84,10 +84,10 @@
 // match on every rank. A rank that fails in the middle sets the abort word, which its peers
 // check before every block, and waits for them to leave (their Inside word) before it returns,
 // so no peer writes into tensors it frees afterwards; a peer that is stopped (SIGSTOP) is not
-// waited for, and could still write one block when it resumes. HVDLITE_SINGLE_COPY=0 keeps the staged path. A prescaled batch through
-// pieces is scaled into its output first (or in place), so what peers read is the scaled data,
-// as a fused buffer's is. The hierarchical route keeps the staged path (its `across` runs per
-// chunk).
+// waited for, and could still write one block when it resumes. HVDLITE_SINGLE_COPY=0 keeps the
+// staged path. A prescaled batch through pieces is scaled into its output first (or in place),
+// so what peers read is the scaled data, as a fused buffer's is. The hierarchical route keeps
+// the staged path (its `across` runs per chunk).
 //
 // Every rank takes this path for the same collectives: Python opens the channel on every rank
 // or on none (hvdlite/_runtime/groups.py), and the executor uses it for every CPU allreduce.

@@ -4,9 +4,8 @@
 
 Each rank is its own process (forked from a zygote that has imported torch: tests/zygote.py)
 with the variables hvdliterun would set (HVDLITE_RANK, ..., rendezvous on a TCPStore this
-process hosts on a free port) and one torch thread. The function
-(module-level, named by module and attribute) runs with (*args) and its return value comes back
-pickled, in rank order. A rank that fails raises AssertionError carrying its traceback; a job
+process hosts on a free port) and one torch thread. The function (module-level, named by module
+and attribute) runs with (*args) and its return value comes back pickled, in rank order. A rank that fails raises AssertionError carrying its traceback; a job
 past its timeout is killed and the error names the ranks that had not finished.
 """
 

@@ -18,6 +18,7 @@ send_signal, returncode.
 """
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -111,7 +112,7 @@ class Zygote:
             self._dead = True
             self._changed.notify_all()
 
-    def start(self, code, argv, env, out, cwd, timeout=30):
+    def start(self, code, argv, env, out, cwd, timeout=30.0):
         with self._changed:
             if self._dead:
                 raise RuntimeError("the zygote is gone")
@@ -121,7 +122,7 @@ class Zygote:
             self._proc.stdin.write(struct.pack("<I", len(data)) + data)
             self._proc.stdin.flush()
             if not self._changed.wait_for(lambda: ident in self._started or self._dead, timeout):
-                raise RuntimeError("the zygote did not fork within 30 s")
+                raise RuntimeError(f"the zygote did not fork within {timeout:g} s")
             if self._dead:
                 raise RuntimeError("the zygote is gone")
             return ZygoteProcess(self, self._started.pop(ident))
@@ -131,13 +132,6 @@ class Zygote:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._ended or self._dead, timeout)
             return self._ended.pop(pid, None)
-
-    def close(self):
-        try:
-            self._proc.stdin.close()
-        except OSError:
-            pass
-        self._proc.wait(timeout=10)
 
 
 class ZygoteProcess:
@@ -164,5 +158,4 @@ class ZygoteProcess:
                 pass
 
     def kill(self):
-        import signal
         self.send_signal(signal.SIGKILL)

@@ -4,6 +4,7 @@ one process on the combined batch.
 
     python tests/lightning/fit_job.py OUT TAG STRATEGY [--optimizer sgd|adam] [--accumulate N]
                                                        [--clip NORM] [--devices N]
+    python tests/lightning/fit_job.py OUT - STRATEGY --case TAG=OPTIONS [--case ...]
 """
 import argparse
 import os
@@ -204,7 +205,7 @@ def main():
     parser.add_argument("--fast-dev-run", action="store_true")
     parser.add_argument("--option", default=None, help="fp16 | predivide | sum: a strategy option")
     parser.add_argument("--case", action="append", default=[], metavar="TAG=OPTIONS",
-                        help="fit once more, as TAG with these extra options (one process, several fits)")
+                        help="fit once per case, as TAG with these options (one process, several fits)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.case:
@@ -213,15 +214,9 @@ def main():
     # Several cases in one launch (each test of a launch costs seconds of process start): every
     # fit builds its own strategy and Trainer, so each one's teardown shuts hvdlite down and the
     # next one's setup initializes it again.
-    base, argv = [], iter(sys.argv[1:])
-    for a in argv:
-        if a == "--case":
-            next(argv)
-        elif not a.startswith("--case="):
-            base.append(a)
     for case in args.case:
         tag, _, options = case.partition("=")
-        fit(parser.parse_args(base[:1] + [tag] + base[2:] + shlex.split(options)))
+        fit(parser.parse_args([args.out, tag, args.strategy, *shlex.split(options)]))
 
 
 def fit(args):

@@ -42,14 +42,9 @@ def fitted(tmp_path_factory):
     """The launch's folder: <tag>.rank<r>.pt per case, and two.ckpt, written by the case "first"."""
     out = tmp_path_factory.mktemp("fits")
     cases = {**FIT_CASES, "first": f"--save {out / 'two.ckpt'}", "stages": "--stages", "dev": "--fast-dev-run"}
-    launch(HVDLITERUN + [sys.executable, JOB, str(out), "cases", "hvdlite",
+    launch(HVDLITERUN + [sys.executable, JOB, str(out), "-", "hvdlite",
                          *(f"--case={tag}={options}" for tag, options in cases.items())], out, timeout=300)
     return out
-
-
-@pytest.fixture
-def fits(fitted):
-    return lambda tag: results(fitted, tag, 2)
 
 
 @pytest.mark.parametrize("tag,reference", [
@@ -60,43 +55,43 @@ def fits(fitted):
     ("clip_value", {"clip_value": 0.02}),
     ("lr_scheduler", {"scheduler": True}),
 ], ids=["sgd", "adam", "accumulate", "clip", "clip_value", "lr_scheduler"])
-def test_a_fit_equals_one_process_on_the_combined_batch(fits, tag, reference):
+def test_a_fit_equals_one_process_on_the_combined_batch(fitted, tag, reference):
     expected = reference_fit(2, **reference)
-    for r, got in enumerate(fits(tag)):
+    for r, got in enumerate(results(fitted, tag, 2)):
         assert (got["rank"], got["size"]) == (r, 2)
         _assert_params(got, expected)
 
 
 @pytest.mark.parametrize("option,atol", [("fp16", 1e-3), ("predivide", 1e-6)])
-def test_the_strategys_options_reach_the_distributed_optimizer(fits, option, atol):
+def test_the_strategys_options_reach_the_distributed_optimizer(fitted, option, atol):
     expected = reference_fit(2)
-    runs = fits(option)
+    runs = results(fitted, option, 2)
     for got in runs:
         _assert_params(got, expected, atol=atol)
     if option == "fp16":  # the gradients went over the wire as float16: not bitwise the reference
         assert any(not torch.equal(a, b) for a, b in zip(runs[0]["params"], expected))
 
 
-def test_op_sum_sums_the_gradients(fits):
+def test_op_sum_sums_the_gradients(fitted):
     # HvdliteStrategy(op=hvd.Sum): with 2 ranks, the step of one process on twice the loss
     from tests.lightning.fit_job import _orders, PER_RANK, SAMPLES, one_process
     steps = [[order[k * PER_RANK:(k + 1) * PER_RANK] for order in _orders(2, epoch)]
              for epoch in range(2) for k in range(SAMPLES // (PER_RANK * 2))]
     expected = one_process(steps, scale=2.0)  # the sum of the two ranks' mean losses
-    for got in fits("sum"):
+    for got in results(fitted, "sum", 2):
         _assert_params(got, expected, atol=1e-5)
 
 
-def test_manual_optimization_with_two_optimizers_equals_one_process(fits):
+def test_manual_optimization_with_two_optimizers_equals_one_process(fitted):
     from tests.lightning.fit_job import reference_manual
     expected = reference_manual(2)
-    for got in fits("manual"):
+    for got in results(fitted, "manual", 2):
         assert len(got["params"]) == len(expected) == 6
         _assert_params(got, expected)
 
 
-def test_logging_and_the_strategys_collectives_agree_on_every_rank(fits):
-    runs = fits("fit")
+def test_logging_and_the_strategys_collectives_agree_on_every_rank(fitted):
+    runs = results(fitted, "fit", 2)
     assert runs[0]["loss"] == runs[1]["loss"]  # self.log(..., sync_dist=True): one value
     for r, got in enumerate(runs):
         assert got["rank_mean"] == 0.5, got  # the mean of the ranks' 0 and 1
@@ -119,8 +114,8 @@ def test_a_checkpoint_written_by_rank_0_resumes_on_two_ranks(fitted, tmp_path):
         _assert_params(got, expected)
 
 
-def test_bf16_mixed_trains_alike_on_both_ranks(fits):
-    runs = fits("bf16")
+def test_bf16_mixed_trains_alike_on_both_ranks(fitted):
+    runs = results(fitted, "bf16", 2)
     assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))
     _assert_params(runs[0], reference_fit(2), atol=0.05)  # bfloat16 forward, fp32 updates
 
@@ -152,7 +147,8 @@ FABRIC_JOB = os.path.join(os.path.dirname(JOB), "fabric_job.py")
 
 
 FABRIC_CASES = {"plain": ("", {}), "no_backward_sync": ("--accumulate 2", {"accumulate": 2}),
-                "clip_gradients": ("--clip 0.05", {"clip": 0.05}), "clip_by_value": ("--clip-value 0.02", {"clip_value": 0.02})}
+                "clip_gradients": ("--clip 0.05", {"clip": 0.05}),
+                "clip_by_value": ("--clip-value 0.02", {"clip_value": 0.02})}
 
 
 @pytest.fixture(scope="module")
