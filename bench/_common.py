@@ -75,6 +75,29 @@ class SmallCNN(torch.nn.Module):
         return self.head(self.features(x).mean((2, 3)))
 
 
+def step_parser(doc, rounds):
+    """The options of a training-step benchmark: --rounds, --steps-per-round, --batch-size,
+    --models, --json."""
+    import argparse
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--json", default=None)
+    return parser
+
+
+def model_and_batch(name, batch, rank):
+    """("mlp" or "cnn") -> (model class, input, target, loss function): this rank's batch."""
+    import torch.nn.functional as F
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if name == "mlp":
+        return MLP, torch.randn(batch, 1024, generator=gen), torch.randn(batch, 1024, generator=gen), F.mse_loss
+    return (SmallCNN, torch.randn(batch, 3, 32, 32, generator=gen),
+            torch.randint(0, 10, (batch,), generator=gen), F.cross_entropy)
+
+
 def timed(fn):
     barrier()
     start = time.perf_counter()

@@ -17,14 +17,12 @@ allreduce: dist.all_reduce on the hvdlite group (in place,
 no copy), hvd.allreduce_ (target: within 1.1x of it) and dist.all_reduce on the Gloo group.
 """
 
-import argparse
 import copy
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,23 +36,10 @@ TARGETS = {OURS: 0.80}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
-    parser.add_argument("--models", default="mlp,cnn")
+    parser = _common.step_parser(__doc__, rounds=8)
     parser.add_argument("--fsdp-models", default="mlp", help="models for the FSDP2 comparison ('' for none)")
     parser.add_argument("--allreduce-mb", type=float, default=64.0)
-    parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
-
-
-def data(name, batch, rank):
-    gen = torch.Generator().manual_seed(1000 + rank)
-    if name == "mlp":
-        return _common.MLP, torch.randn(batch, 1024, generator=gen), torch.randn(batch, 1024, generator=gen), F.mse_loss
-    return (_common.SmallCNN, torch.randn(batch, 3, 32, 32, generator=gen),
-            torch.randint(0, 10, (batch,), generator=gen), F.cross_entropy)
 
 
 FSDP_GLOO = "FSDP2 over Gloo"
@@ -65,7 +50,7 @@ def fsdp_step(name, args, rank, gloo):
     """FSDP2 over each backend, same weights and data: checked equal, then timed interleaved."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    build, x, y, loss_fn = data(name, args.batch_size, rank)
+    build, x, y, loss_fn = _common.model_and_batch(name, args.batch_size, rank)
     torch.manual_seed(0)
     base = build()
     replicas = {}
@@ -112,7 +97,7 @@ def main(argv=None):
     gloo = dist.new_group(backend="gloo")
     rank = hvd.rank()
     for name in filter(None, args.models.split(",")):
-        build, x, y, loss_fn = data(name, args.batch_size, rank)
+        build, x, y, loss_fn = _common.model_and_batch(name, args.batch_size, rank)
         torch.manual_seed(0)
         base = build()
         replicas = {}

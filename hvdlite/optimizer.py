@@ -36,9 +36,10 @@ import weakref
 import torch
 
 from . import ops
+from ._runtime import compiled_backward as _compiled_backward
 from .basics import split_list
 from .compression import Compression
-from .exceptions import HvdliteTypeError, HvdliteValueError
+from .exceptions import HvdliteTypeError, HvdliteValueError, NotInitializedError
 from .process_sets import global_process_set
 
 
@@ -126,6 +127,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._no_sync = False
         weakref.finalize(self, _remove_hooks, self._hook_handles)
+        _compiled_backward.register(self)
 
     @property
     def _communicate(self):
@@ -137,6 +139,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def _adasum(self):
         return self._adasum_op and self._communicate
+
+    @property
+    def _reduces_in_backward(self):
+        # Note [Compiled backward in buckets]: asked whenever dynamo compiles a frame.
+        try:
+            return self._communicate and not self._adasum_op
+        except NotInitializedError:  # between shutdown() and the next init()
+            return False
 
     def _forget_reductions(self):
         """Drops the reductions of a step that failed (elastic training resets here: their

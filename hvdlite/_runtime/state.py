@@ -92,6 +92,7 @@ class Process:
     recorder_stopping: object = dataclasses.field(default_factory=threading.Event)  # set at exit
     backend_engines: list = dataclasses.field(default_factory=list)  # (label, engine) of hvdlite process groups
     metrics_server: object = None   # Note [Metrics] in _runtime/metrics.py, once serving
+    compiled_buckets: object = None  # Note [Compiled backward in buckets], once an optimizer made it
 
 
 process = Process()
