@@ -50,17 +50,12 @@ def parse_args(argv=None):
 class _Own(torch.nn.Module):
     """A model behind a forward of its own: dynamo caches compiled graphs per code object and
     reuses them across instances of one class, so without it the variants compiled without the
-    split would run the graph already split for the others."""
+    split (one graph, local) would run the graph already split for the others."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, x):
-        return self.model(x)
-
-
-class _OwnLocal(_Own):
     def forward(self, x):
         return self.model(x)
 
@@ -104,7 +99,7 @@ def main(argv=None):
                                            named_parameters=model.named_parameters())
             replicas[method] = (torch.compile(model if method == OURS else _Own(model)), opt)
         local = copy.deepcopy(base)
-        replicas[LOCAL] = (torch.compile(_OwnLocal(local)), torch.optim.SGD(local.parameters(), lr=0.01, momentum=0.9))
+        replicas[LOCAL] = (torch.compile(_Own(local)), torch.optim.SGD(local.parameters(), lr=0.01, momentum=0.9))
 
         def step(method, n=1):
             model, opt = replicas[method]
