@@ -1,13 +1,13 @@
 """A chosen part of torch's own backend test suite (tests/conformance/torch_suite.py), run
 against hvdlite: every chosen test must pass. The chosen tests are ones Gloo passes in
 bench/conformance.py's full run; HVDLITE_CONFORMANCE_GLOO=1 runs them against Gloo here too
-(98 s more of the suite, and a check of torch's suite against torch's own backend rather than
+(about 20 s more of the suite, and a check of torch's suite against torch's own backend rather than
 of hvdlite, so the suite leaves it to that variable and to bench/conformance.py).
 
 The whole suite takes 5 (hvdlite) to 15 (Gloo) minutes here; bench/conformance.py runs it and lists
 every difference (the README's section "Using hvdlite under torch.distributed" has the
 figures). The chosen tests cover each collective the backend implements, DDP and its comm
-hooks, and the error paths, at about 4 s each (every test spawns its ranks).
+hooks, and the error paths, at about 1 s each (every test forks its ranks: torch_suite.py).
 """
 
 import os
