@@ -77,8 +77,10 @@ class GlooChannelsRoute : public CpuRoute {
   explicit GlooChannelsRoute(std::vector<CollectiveBackend*> channels) : channels_(std::move(channels)) {}
   std::string name() const override { return channels_.front()->name(); }
 
+  static constexpr int64_t kStripeBytes = 8LL << 20;
+  static constexpr int64_t kChunksPerChannel = 4;
+
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
-    constexpr int64_t kStripeBytes = 8LL << 20;
     const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
     const int64_t stripes = std::min<int64_t>(static_cast<int64_t>(channels_.size()), bytes / kStripeBytes);
     if (stripes <= 1) {
@@ -105,6 +107,57 @@ class GlooChannelsRoute : public CpuRoute {
         if (!failure) finish(parts[i]);
       } catch (...) {
         if (!failure) failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
+
+  // Note [Pipelined fusion over channels] (cpu_route.h)
+  void AllreduceStaged(at::Tensor& buffer, ReduceOp op, const Range& copy_in, const Hook& finish,
+                       const Range& copy_out) override {
+    const int64_t n = buffer.numel(), element = static_cast<int64_t>(buffer.element_size());
+    const int64_t width = static_cast<int64_t>(channels_.size());
+    if (width < 2 || n * element < 2 * kStripeBytes) {
+      CpuRoute::AllreduceStaged(buffer, op, copy_in, finish, copy_out);
+      return;
+    }
+    const int64_t per = std::max<int64_t>(kStripeBytes / element, (n + width * kChunksPerChannel - 1) /
+                                                                       (width * kChunksPerChannel));
+    std::vector<at::Tensor> chunks;
+    for (int64_t offset = 0; offset < n; offset += per) chunks.push_back(buffer.narrow(0, offset, std::min(per, n - offset)));
+    const int64_t count = static_cast<int64_t>(chunks.size());
+    std::vector<std::function<void()>> waits(count);
+    std::exception_ptr failure;
+    auto start = [&](int64_t c) {
+      if (failure) return;
+      try {
+        waits[c] = channels_[c % width]->StartAllreduce(chunks[c], op);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    };
+    try {
+      for (int64_t c = 0; c < count; ++c) {  // the first chunk per channel starts as it is filled
+        copy_in(c * per, c * per + chunks[c].numel());
+        if (c < width) start(c);
+      }
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+    for (int64_t c = 0; c < count; ++c) {  // every started chunk is waited for before anything is thrown
+      if (!waits[c]) continue;
+      try {
+        waits[c]();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+      if (c + width < count) start(c + width);  // its channel is free
+      if (failure) continue;
+      try {
+        finish(chunks[c]);
+        copy_out(c * per, c * per + chunks[c].numel());
+      } catch (...) {
+        failure = std::current_exception();
       }
     }
     if (failure) std::rethrow_exception(failure);

@@ -33,6 +33,20 @@
 // agreed at init), and an allreduce of at least 2 x kStripeBytes is cut into equal stripes of
 // at least kStripeBytes, one per channel, started together and waited for together. The cut
 // depends only on the element count and the channel count, so every rank cuts the same way.
+//
+// Note [Pipelined fusion over channels]
+// A fused batch on the channels used to be copied into its fusion buffer whole, allreduced,
+// and copied out whole: two passes over the buffer around the transfer, 40 ms of a 950 ms
+// ResNet-50 allreduce across 1 Gbit/s hosts here, where one 102 MB tensor in place took 860.
+// So the channels take a batch of at least 2 x kStripeBytes by element range instead
+// (AllreduceStaged): the buffer is cut into chunks, about kChunksPerChannel per channel, of at
+// least kStripeBytes; chunk c travels on channel c % channels, at most one chunk per channel
+// at a time (a Gloo group runs two works at once, which would finish the chunks in waves
+// rather than in order). The first chunk starts as soon as it is copied in, the rest are copied
+// in while it travels, and each chunk is finished and copied out as soon as it is reduced,
+// while the next ones travel. Every chunk is copied in before the first is copied out, so a
+// batch whose members share memory stays exact. The cut depends only on the element count and
+// the channel count.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -65,6 +79,17 @@ class CpuRoute {
   // as soon as that part is reduced (the others may still be in flight), so averaging and
   // postscaling overlap the rest of the collective.
   virtual void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) = 0;
+  // Note [Pipelined fusion over channels]: allreduces a fusion buffer that the caller fills and
+  // empties by element range: copy_in(begin, end) fills (and prescales) [begin, end),
+  // copy_out(begin, end) writes it back once `finish` has been applied to it. By default:
+  // everything in, AllreduceFlat, everything out.
+  using Range = std::function<void(int64_t begin, int64_t end)>;
+  virtual void AllreduceStaged(at::Tensor& buffer, ReduceOp op, const Range& copy_in, const Hook& finish,
+                               const Range& copy_out) {
+    copy_in(0, buffer.numel());
+    AllreduceFlat(buffer, op, finish);
+    copy_out(0, buffer.numel());
+  }
   // Data movement (Note [CPU routes]): whether the route carries allgather and broadcast; if
   // not, the executor sends them through Gloo. outputs[r] receives rank r's `input`.
   virtual bool MovesData() const { return false; }

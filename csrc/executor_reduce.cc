@@ -71,6 +71,46 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   // Note [Reducescatter over Gloo]: a reducescatter reduces the whole (fused) buffer and keeps
   // this rank's rows; it fuses like allreduce and handles uneven row counts.
   at::Tensor buffer = buffers_.Get(first.input.device(), first.input.scalar_type(), total);
+  if (!scatter && total > 0 && buffer.device().is_cpu() &&
+      std::all_of(locals.begin(), locals.end(), [](const Local& l) {
+        return Memcpyable(l.entry.input) && Memcpyable(l.entry.output);
+      })) {
+    // Note [Pipelined fusion over channels] (cpu_route.h): the route copies by element range.
+    std::vector<int64_t> starts;  // each member's first element in the buffer
+    int64_t end = 0;
+    for (Local& local : locals) {
+      starts.push_back(end);
+      end += local.entry.input.numel();
+    }
+    char* base = static_cast<char*>(buffer.data_ptr());
+    const int64_t element = static_cast<int64_t>(buffer.element_size());
+    // Calls move(member's data, buffer's data, bytes) for the part of every member in [begin, end).
+    auto each = [&](int64_t begin, int64_t stop, auto&& move) {
+      auto first_member = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+      for (size_t i = static_cast<size_t>(std::max<int64_t>(first_member, 0)); i < locals.size() && starts[i] < stop; ++i) {
+        const int64_t from = std::max(begin, starts[i]);
+        const int64_t to = std::min(stop, starts[i] + locals[i].entry.input.numel());
+        if (from < to) move(i, (from - starts[i]) * element, base + from * element, (to - from) * element);
+      }
+    };
+    const double prescale = request.prescale;
+    auto copy_in = [&](int64_t begin, int64_t stop) {
+      each(begin, stop, [&](size_t i, int64_t at, char* to, int64_t bytes) {
+        std::memcpy(to, static_cast<const char*>(locals[i].entry.input.data_ptr()) + at, bytes);
+      });
+      at::Tensor part = buffer.narrow(0, begin, stop - begin);
+      Scale(part, prescale);
+    };
+    auto copy_out = [&](int64_t begin, int64_t stop) {
+      each(begin, stop, [&](size_t i, int64_t at, char* from, int64_t bytes) {
+        std::memcpy(static_cast<char*>(locals[i].entry.output.data_ptr()) + at, from, bytes);
+      });
+    };
+    CollectiveStarts();
+    cpu_route_->AllreduceStaged(buffer, wire_op, copy_in, finish, copy_out);
+    CollectiveEnds();
+    return;
+  }
   int64_t offset = 0;
   for (Local& local : locals) {
     CopyIn(buffer, offset, local.entry.input);  // Note [Copies into fusion buffers]

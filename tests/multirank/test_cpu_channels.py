@@ -12,7 +12,7 @@ import torch
 import hvdlite as hvd
 from hvdlite._runtime import state as _state
 from tests.harness import Job, run_ranks
-from tests.multirank._reference import assert_close, rank_input, reduce_reference
+from tests.multirank._reference import assert_close, assert_members_close, rank_input, reduce_reference
 
 MIB = 1 << 20
 GLOO_ONLY = {"HVDLITE_SHARED_MEMORY": "0"}
@@ -45,6 +45,22 @@ def _striped_allreduces():
     for i, t in enumerate(mine):
         expected = reduce_reference([inputs[r][i] for r in range(size)], hvd.Sum)
         assert_close(t, expected, torch.float32, f"fused tensor {i} on rank {rank}")
+    # Note [Pipelined fusion over channels]: grouped batches taken in and out chunk by chunk;
+    # members straddle the chunk boundaries, some are empty, and one batch has a transposed
+    # member (a copy that is not a memcpy) and goes the whole-buffer way
+    sizes = [1, 0, 3 * MIB // 4 + 1, 5, 2 * MIB // 4 - 3] * 4 + [7 * MIB // 4 + 11]
+    for seed, dtype, op, pre, post in [(20, torch.float32, hvd.Average, 0.5, 3.0),
+                                       (21, torch.int32, hvd.Sum, 1.0, 1.0),
+                                       (22, torch.float16, hvd.Average, 1.0, 0.25),
+                                       (23, torch.float64, hvd.Max, 1.0, 1.0)]:
+        by_rank = [[rank_input(seed * 100 + i, r, (n,), dtype, op) for i, n in enumerate(sizes)] for r in range(size)]
+        got = hvd.grouped_allreduce(by_rank[rank], op=op, name=f"staged.{seed}", prescale_factor=pre,
+                                    postscale_factor=post)
+        assert_members_close(got, by_rank, op, dtype, f"grouped {dtype} (op {op}) on rank {rank}", pre, post)
+    by_rank = [[rank_input(30, r, (2048, 2050), torch.float32).t(), rank_input(31, r, (3 * MIB,), torch.float32)]
+               for r in range(size)]
+    got = hvd.grouped_allreduce(by_rank[rank], op=hvd.Sum, name="staged.transposed")
+    assert_members_close(got, by_rank, hvd.Sum, torch.float32, f"grouped, a transposed member, rank {rank}")
     hvd.shutdown()
     return True
 
