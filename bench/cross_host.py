@@ -6,10 +6,20 @@ ResNet-50's gradient shapes allreduced across hosts, in one job: the flat bound 
 torch.distributed allreduce, copy), torch.distributed async per tensor, hvdlite grouped, and
 hvdlite grouped with fp16 compression (half the bytes on the wire; its result is checked
 against the fp32 sum with fp16's tolerance). Every method's result is checked before timing.
+
+Two bounds from the link itself, in the same job: the link-rate limit (computed: the bytes a
+ring allreduce sends per host, 2 (N - 1) / N of the gradients, divided by --rate-bits, which
+bench/multihost.py passes as BENCH_RATE_BITS), and the TCP ring bound (measured, interleaved
+with the rest: every rank sends those bytes to the next rank over plain sockets, 4 streams,
+while receiving as many from the one before; what TCP itself carries over this link, headers
+and all). The second table gives every method as a ratio to the link-rate limit, fp16 against
+its own (half the bytes).
 """
 import argparse
 import os
+import socket
 import sys
+import threading
 
 import torch
 
@@ -21,10 +31,57 @@ import hvdlite as hvd  # noqa: E402
 FLAT = "tight bound (cat, 1 allreduce, foreach copy)"
 
 
+LIMIT = "link-rate limit (ring bytes / rate, computed)"
+LIMIT_FP16 = "link-rate limit, fp16 (computed)"
+TCP = "TCP ring bound (plain sockets, 4 streams)"
+
+
+def tcp_ring(rank, size, streams=4):
+    """A function that sends `nbytes` to the next rank while receiving as many from the one
+    before, over `streams` TCP connections each way (the hosts' names as hvdliterun knows
+    them resolve on every test host)."""
+    listener = socket.create_server(("0.0.0.0", 0))
+    peers = hvd.allgather_object((socket.gethostname(), listener.getsockname()[1]))
+    name, port = peers[(rank + 1) % size]
+    out = []
+
+    def connect():
+        for _ in range(streams):
+            out.append(socket.create_connection((name, port)))
+
+    connector = threading.Thread(target=connect)
+    connector.start()
+    incoming = [listener.accept()[0] for _ in range(streams)]
+    connector.join()
+    listener.close()
+    buffers = [bytearray(4 << 20) for _ in range(2 * streams)]
+
+    def pump(sock, nbytes, buf, send):
+        view = memoryview(buf)
+        while nbytes > 0:
+            n = sock.send(view[:min(nbytes, len(buf))]) if send else sock.recv_into(view, min(nbytes, len(buf)))
+            if n == 0:
+                raise ConnectionError("peer closed the TCP ring bound's socket")
+            nbytes -= n
+
+    def run(nbytes):
+        share = nbytes // streams
+        threads = [threading.Thread(target=pump, args=(s, share, buffers[i], True)) for i, s in enumerate(out)]
+        threads += [threading.Thread(target=pump, args=(s, share, buffers[streams + i], False))
+                    for i, s in enumerate(incoming)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--rate-bits", type=float, default=float(os.environ.get("BENCH_RATE_BITS", "0")),
+                        help="the link's rate in bit/s, for the link-rate limit (0: not reported)")
     args = parser.parse_args()
     rank, size = _common.setup()
     shapes = _common.resnet50_shapes()
@@ -46,11 +103,26 @@ def main():
     for i, t in enumerate(tensors):
         assert torch.allclose(t, torch.full_like(t, want * (i % 7 + 1) / 7), rtol=1e-3), i
     methods["hvdlite grouped, fp16 compression"] = hvd_grouped_fp16
+    hosts = hvd.cross_size()
+    ring_bytes = 2 * (hosts - 1) * sum(t.numel() * 4 for t in tensors) // hosts  # per host, fp32
+    if hvd.size() == hosts:  # one rank per host: the ranks' ring is the hosts' ring
+        send = tcp_ring(rank, size)
+        methods[TCP] = lambda: send(ring_bytes)
     times = _common.interleaved(methods, args.rounds, warmup=1)
     mode = "hierarchical" if os.environ.get("HVDLITE_HIERARCHICAL_ALLREDUCE") == "1" else "flat"
-    _common.report(f"ResNet-50 gradients, {size} ranks on {hvd.cross_size()} hosts, hvdlite {mode} "
-                   f"({os.environ.get('BENCH_LINK', 'unshaped')})",
-                   times, FLAT, {"hvdlite grouped": 1.10}, args.json)
+    title = (f"ResNet-50 gradients, {size} ranks on {hosts} hosts, hvdlite {mode} "
+             f"({os.environ.get('BENCH_LINK', 'unshaped')})")
+    _common.report(title, times, FLAT, {"hvdlite grouped": 1.10}, args.json)
+    if args.rate_bits > 0:
+        limit = ring_bytes * 8 / args.rate_bits
+        fp16 = "hvdlite grouped, fp16 compression"
+        vs_link = {LIMIT: [limit] * args.rounds, **{n: v for n, v in times.items() if n != fp16}}
+        _common.report(f"{title}, against the link-rate limit ({ring_bytes / 1e6:.1f} MB per host "
+                       f"at {args.rate_bits / 1e9:g} Gbit/s)", vs_link, LIMIT,
+                       {"hvdlite grouped": 1.05 if mode == "hierarchical" else 1.03}, args.json)
+        _common.report(f"{title}, fp16 against its own link-rate limit",
+                       {LIMIT_FP16: [limit / 2] * args.rounds, fp16: times[fp16]}, LIMIT_FP16, {fp16: 1.10},
+                       args.json)
     hvd.shutdown()
 
 

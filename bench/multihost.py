@@ -1,9 +1,9 @@
 """The cross-host benchmark: test hosts in network namespaces (tests/multihost/hosts.py) whose
 links are shaped with tc, and hvdlite against torch.distributed and DDP across them.
 
-    sudo python bench/multihost.py [--rate 1gbit] [--delay 0.5ms] [--rounds 5] [--json-dir bench/results]
+    sudo python bench/multihost.py [--hosts 2] [--rate 1gbit] [--delay 0.5ms] [--rounds 5] [--json-dir DIR]
 
-Needs root (namespaces, tc, sshd). Makes two hosts, shapes every link (each direction: rate
+Needs root (namespaces, tc, sshd). Makes --hosts hosts (2 by default), shapes every link (each direction: rate
 and one-way delay with netem; rate only with tbf where the kernel has no netem, as on the
 reference machine), launches from the first host with hvdliterun over real ssh (so network
 discovery picks the interface), and runs:
@@ -24,12 +24,22 @@ sys.path.insert(0, REPO)
 from tests.multihost.hosts import TestHosts, unavailable  # noqa: E402
 
 
+def rate_bits(rate):
+    """tc's rate ("1gbit", "500mbit", "100kbit") in bit/s; tc's k, m and g are powers of 1000."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * factor
+    raise SystemExit(f"bench/multihost.py: --rate {rate!r}: expected a number and kbit, mbit or gbit")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--delay", default="0.5ms", help="one-way delay per direction")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--slots", type=int, default=1, help="ranks per host")
+    parser.add_argument("--hosts", type=int, default=2, help="test hosts (2 to 4)")
     parser.add_argument("--json-dir", default=None)
     parser.add_argument("--jobs", default="cross_host,training,powersgd", help="which jobs, comma-separated")
     parser.add_argument("--hierarchical", action="store_true",
@@ -39,24 +49,27 @@ def main():
     reason = unavailable()
     if reason:
         raise SystemExit(f"bench/multihost.py: {reason}")
-    with TestHosts(["hvta", "hvtb"]) as hosts:
+    if not 2 <= args.hosts <= 4:
+        raise SystemExit("bench/multihost.py: --hosts must be 2, 3 or 4")
+    names = ["hvta", "hvtb", "hvtc", "hvtd"][:args.hosts]
+    with TestHosts(names) as hosts:
         link = hosts.shape(rate=args.rate, delay=args.delay)
-        env = {**os.environ, "BENCH_LINK": link, "OMP_NUM_THREADS": "1"}
-        print(f"two test hosts, every link shaped to {link} in each direction, "
+        env = {**os.environ, "BENCH_LINK": link, "BENCH_RATE_BITS": str(rate_bits(args.rate)), "OMP_NUM_THREADS": "1"}
+        print(f"{args.hosts} test hosts, every link shaped to {link} in each direction, "
               f"{args.slots} rank(s) per host", flush=True)
         launch = [sys.executable, "-m", "hvdlite.runner.launch", "--ssh-config-file", hosts.ssh_config,
-                  "-H", f"hvta:{args.slots},hvtb:{args.slots}"]
+                  "-H", ",".join(f"{name}:{args.slots}" for name in names)]
         jobs = [
             [sys.executable, "bench/cross_host.py", "--rounds", str(args.rounds)],
             [sys.executable, "bench/training.py", "--models", "mlp", "--rounds", str(max(3, args.rounds - 2)),
              "--steps-per-round", "2", "--no-local", "--no-breakdown"],
             [sys.executable, "bench/powersgd.py", "--rounds", str(max(3, args.rounds - 2))],
         ]
-        names = ("cross_host", "training", "powersgd")
+        jobs_named = ("cross_host", "training", "powersgd")
         chosen = args.jobs.split(",")
         variants = [("", [])] + ([("_hierarchical", ["--hierarchical-allreduce"])] if args.hierarchical else [])
         runs = [(job, name + suffix, flags) for suffix, flags in variants
-                for job, name in zip(jobs, names) if name in chosen]
+                for job, name in zip(jobs, jobs_named) if name in chosen]
         for job, name, flags in runs:
             if args.json_dir:
                 job = job + ["--json", os.path.join(os.path.abspath(args.json_dir), f"multihost_{name}.json")]
