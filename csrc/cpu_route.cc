@@ -17,23 +17,44 @@ class HierarchicalRoute : public CpuRoute {
                        const Hook& prescale, const Hook& finish) override {
     // The host's sum goes across hosts, chunk by chunk.
     local_->AllreducePieces(pieces, dtype, op, prescale, finish,
-                            [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); });
+                            [&](at::Tensor& host_sum) { return cross_->StartAllreduce(host_sum, op); });
   }
 
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
-    if (local_ == nullptr) {  // alone on this host: the same cuts as the other hosts' channels
+    if (local_ == nullptr) {  // alone on this host: the same cuts as the other hosts' channels,
+      // two in flight as theirs are
       const int64_t per = ShmChannel::kHierarchicalChunk / static_cast<int64_t>(flat.element_size());
+      std::vector<at::Tensor> parts;
       for (int64_t offset = 0; offset < flat.numel(); offset += per) {
-        at::Tensor part = flat.narrow(0, offset, std::min(per, flat.numel() - offset));
-        cross_->Allreduce(part, op);
+        parts.push_back(flat.narrow(0, offset, std::min(per, flat.numel() - offset)));
       }
+      std::function<void()> previous;
+      std::exception_ptr failure;
+      for (at::Tensor& part : parts) {
+        try {
+          std::function<void()> wait = cross_->StartAllreduce(part, op);
+          if (previous) previous();
+          previous = std::move(wait);
+        } catch (...) {
+          failure = std::current_exception();
+          break;
+        }
+      }
+      if (previous) {  // the last one started is waited for before anything is thrown
+        try {
+          previous();
+        } catch (...) {
+          if (!failure) failure = std::current_exception();
+        }
+      }
+      if (failure) std::rethrow_exception(failure);
       finish(flat);
       return;
     }
     // Finished inside the channel, chunk by chunk, as AllreducePieces does: a rank that fused
     // through a buffer and one that fused straight into the segment must leave the same bytes
     // there (Note [Fusing straight into shared memory]).
-    local_->Allreduce(flat, op, [&](at::Tensor& host_sum) { cross_->Allreduce(host_sum, op); }, finish);
+    local_->Allreduce(flat, op, [&](at::Tensor& host_sum) { return cross_->StartAllreduce(host_sum, op); }, finish);
   }
 
  private:

@@ -23,6 +23,9 @@
 // ranks copy the result out of the channel (ShmChannel::Allreduce with `across`), chunk by
 // chunk. Only one rank per host sends across the network, once per byte, where the flat ring
 // over every rank crosses hosts at several places. CPU allreduces and reducescatters only.
+// The chunks are pipelined: the first rank starts chunk k's cross-host allreduce and, while it
+// travels, the host's ranks copy chunk k - 1 out and chunk k + 1 in and reduce it, so the link
+// is not idle while the host works (at most two chunks in flight; ShmChannel::Run).
 //
 // Note [CPU channels]
 // A Gloo allreduce of one large buffer does not keep loopback TCP busy: on the 2-rank

@@ -16,6 +16,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <cstdlib>
 #include <stdexcept>
 #include <thread>
@@ -266,7 +267,7 @@ void ShmChannel::Wait(uint64_t target) {
   }
 }
 
-void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across,
+void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const StartAcross& across,
                            const std::function<void(at::Tensor&)>& finish) {
   const int64_t element = static_cast<int64_t>(flat.element_size());
   auto* data = static_cast<char*>(flat.data_ptr());
@@ -299,7 +300,7 @@ bool ShmChannel::PiecesOverlap(const std::vector<Piece>& pieces) {
 }
 
 void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
-                                 const Hook& prescale, const Hook& finish, const Hook& across) {
+                                 const Hook& prescale, const Hook& finish, const StartAcross& across) {
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t total_bytes = 0;
   for (const Piece& piece : pieces) total_bytes += piece.bytes;
@@ -346,10 +347,31 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
 }
 
 void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Copy& fill, const Copy& drain,
-                     const Hook& prepare, const Hook& finish, const Hook& across) {
+                     const Hook& prepare, const Hook& finish, const StartAcross& across) {
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t per_chunk = chunk_ / element;
   const auto options = at::TensorOptions().dtype(dtype);
+  // Note [Hierarchical allreduce] (cpu_route.h): a chunk whose host sum is travelling across
+  // hosts; its wait is set on rank 0 only.
+  struct Travelling {
+    int bank;
+    int64_t offset, n;
+    std::function<void()> wait;
+  };
+  std::optional<Travelling> travelling;
+  auto arrive = [&](Travelling& chunk) {  // the job's sum is in: scale once, then everyone copies out
+    if (chunk.wait) {
+      auto wait = std::move(chunk.wait);
+      chunk.wait = nullptr;
+      wait();
+      if (finish) {
+        at::Tensor reduced = at::from_blob(Result(chunk.bank), {chunk.n}, options);
+        finish(reduced);
+      }
+    }
+    Barrier();
+    drain(Result(chunk.bank), chunk.offset, chunk.n);
+  };
   try {
     if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
     for (int64_t offset = 0; offset < total; offset += per_chunk) {
@@ -372,17 +394,27 @@ void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Co
         if (finish && !across) finish(result);
       }
       Barrier();
-      if (across) {  // the host's sum goes across hosts before anyone copies it out
-        if (rank_ == 0) {
-          at::Tensor reduced = at::from_blob(Result(bank), {n}, options);
-          across(reduced);
-          if (finish) finish(reduced);  // the job's sum, scaled once by one rank of the host
-        }
-        Barrier();
+      if (!across) {
+        drain(Result(bank), offset, n);
+        continue;
       }
-      drain(Result(bank), offset, n);
+      Travelling next{bank, offset, n, nullptr};
+      if (rank_ == 0) {
+        at::Tensor reduced = at::from_blob(Result(bank), {n}, options);
+        next.wait = across(reduced);
+      }
+      if (travelling) arrive(*travelling);  // the chunk before, while this one travels
+      travelling = std::move(next);
     }
+    if (travelling) arrive(*travelling);
   } catch (...) {
+    // A cross-host allreduce still travelling writes into this segment: let it end first.
+    if (travelling && travelling->wait) {
+      try {
+        travelling->wait();
+      } catch (...) {
+      }
+    }
     Abort();
     throw;
   }

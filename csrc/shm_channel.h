@@ -141,11 +141,13 @@ class ShmChannel {
 
   // In place; op is kSum, kMin, kMax or kProduct. Throws std::runtime_error naming the rank
   // when a peer exited, aborted or timed out. With `across` (Note [Hierarchical allreduce] in
-  // executor.h), each chunk's reduction over these ranks is handed to `across` on rank 0 of the
-  // channel (which allreduces it with the other hosts) before anyone copies it out; every rank
-  // of the channel must pass `across` or none. `finish` (the average and postscale) is applied
+  // cpu_route.h), each chunk's reduction over these ranks is handed to `across` on rank 0 of the
+  // channel, which starts its allreduce with the other hosts and returns its wait; the chunk is
+  // copied out once that wait returned, after the next chunk has been reduced here and its own
+  // allreduce started. Every rank of the channel must pass `across` or none. `finish` (the average and postscale) is applied
   // inside, as AllreducePieces applies it, so ranks that take either entry agree.
-  void Allreduce(at::Tensor& flat, ReduceOp op, const std::function<void(at::Tensor&)>& across = nullptr,
+  using StartAcross = std::function<std::function<void()>(at::Tensor&)>;
+  void Allreduce(at::Tensor& flat, ReduceOp op, const StartAcross& across = nullptr,
                  const std::function<void(at::Tensor&)>& finish = nullptr);
 
   // Note [Fusing straight into shared memory]
@@ -172,7 +174,7 @@ class ShmChannel {
   // such a batch (the same tensor twice in a group, say) must go through a fusion buffer.
   static bool PiecesOverlap(const std::vector<Piece>& pieces);
   void AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
-                       const Hook& prescale, const Hook& finish, const Hook& across = nullptr);
+                       const Hook& prescale, const Hook& finish, const StartAcross& across = nullptr);
 
   // Note [Shared-memory allgather and broadcast]
   // Collectives that only move data use the same banks, chunk by chunk, with one barrier per
@@ -245,7 +247,7 @@ class ShmChannel {
   // empty); `across` as for Allreduce.
   using Copy = std::function<void(char*, int64_t, int64_t)>;
   void Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Copy& fill, const Copy& drain,
-           const Hook& prepare, const Hook& finish, const Hook& across);
+           const Hook& prepare, const Hook& finish, const StartAcross& across);
   // The chunk loop of Allgather and Broadcast (Note [Shared-memory allgather and broadcast]):
   // per chunk of `bytes`, `fill` writes into this bank's slots, one barrier, `drain` reads them.
   void Move(int64_t bytes, const std::function<void(char** slots, int64_t offset, int64_t n)>& fill,
