@@ -403,8 +403,9 @@ void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Co
         at::Tensor reduced = at::from_blob(Result(bank), {n}, options);
         next.wait = across(reduced);
       }
-      if (travelling) arrive(*travelling);  // the chunk before, while this one travels
-      travelling = std::move(next);
+      std::optional<Travelling> before = std::move(travelling);
+      travelling = std::move(next);  // held first, so a failure below still waits for it
+      if (before) arrive(*before);   // the chunk before, while this one travels
     }
     if (travelling) arrive(*travelling);
   } catch (...) {
