@@ -54,7 +54,8 @@ class HierarchicalRoute : public CpuRoute {
     // Finished inside the channel, chunk by chunk, as AllreducePieces does: a rank that fused
     // through a buffer and one that fused straight into the segment must leave the same bytes
     // there (Note [Fusing straight into shared memory]).
-    local_->Allreduce(flat, op, [&](at::Tensor& host_sum) { return cross_->StartAllreduce(host_sum, op); }, finish);
+    local_->Allreduce(
+        flat, op, [&](at::Tensor& host_sum) { return cross_->StartAllreduce(host_sum, op); }, finish);
   }
 
  private:
@@ -145,7 +146,9 @@ class GlooChannelsRoute : public CpuRoute {
     const int64_t per = std::max<int64_t>(kStripeBytes / element, (n + width * kChunksPerChannel - 1) /
                                                                        (width * kChunksPerChannel));
     std::vector<at::Tensor> chunks;
-    for (int64_t offset = 0; offset < n; offset += per) chunks.push_back(buffer.narrow(0, offset, std::min(per, n - offset)));
+    for (int64_t offset = 0; offset < n; offset += per) {
+      chunks.push_back(buffer.narrow(0, offset, std::min(per, n - offset)));
+    }
     const int64_t count = static_cast<int64_t>(chunks.size());
     std::vector<std::function<void()>> waits(count);
     std::exception_ptr failure;

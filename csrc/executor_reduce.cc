@@ -86,8 +86,9 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     const int64_t element = static_cast<int64_t>(buffer.element_size());
     // Calls move(member's data, buffer's data, bytes) for the part of every member in [begin, end).
     auto each = [&](int64_t begin, int64_t stop, auto&& move) {
-      auto first_member = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
-      for (size_t i = static_cast<size_t>(std::max<int64_t>(first_member, 0)); i < locals.size() && starts[i] < stop; ++i) {
+      // the last member that starts at or before `begin` (starts[0] is 0)
+      size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+      for (; i < locals.size() && starts[i] < stop; ++i) {
         const int64_t from = std::max(begin, starts[i]);
         const int64_t to = std::min(stop, starts[i] + locals[i].entry.input.numel());
         if (from < to) move(i, (from - starts[i]) * element, base + from * element, (to - from) * element);

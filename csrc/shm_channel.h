@@ -144,8 +144,9 @@ class ShmChannel {
   // cpu_route.h), each chunk's reduction over these ranks is handed to `across` on rank 0 of the
   // channel, which starts its allreduce with the other hosts and returns its wait; the chunk is
   // copied out once that wait returned, after the next chunk has been reduced here and its own
-  // allreduce started. Every rank of the channel must pass `across` or none. `finish` (the average and postscale) is applied
-  // inside, as AllreducePieces applies it, so ranks that take either entry agree.
+  // allreduce started. Every rank of the channel must pass `across` or none. `finish` (the
+  // average and postscale) is applied inside, as AllreducePieces applies it, so ranks that take
+  // either entry agree.
   using StartAcross = std::function<std::function<void()>(at::Tensor&)>;
   void Allreduce(at::Tensor& flat, ReduceOp op, const StartAcross& across = nullptr,
                  const std::function<void(at::Tensor&)>& finish = nullptr);

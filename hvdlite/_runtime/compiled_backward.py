@@ -15,7 +15,8 @@ what it returns. hvdlite answers that question too: while a DistributedOptimizer
 in backward is alive (more than one rank, not Adasum), ``DistributedDataParallel``'s active
 module, when DDP has not set one, is a stand-in (``_state.process.compiled_buckets``) that is
 true and has DDP's default cap (25 MB). A real DDP forward still sets and restores its own, so
-DDP's buckets apply inside it. With the split, the same MLP's hooks fired at 57, 273 and 315 ms of its backward.
+DDP's buckets apply inside it. With the split, the same MLP's hooks fired at 57, 273 and 315 ms
+of its backward.
 
 What it changes: only how graphs compiled while such an optimizer is alive are partitioned, as
 for DDP (the same limits apply). torch._dynamo.explain lists the bucket boundaries as
