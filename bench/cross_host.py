@@ -5,7 +5,9 @@
 ResNet-50's gradient shapes allreduced across hosts, in one job: the flat bound (copy, one
 torch.distributed allreduce, copy), torch.distributed async per tensor, hvdlite grouped, and
 hvdlite grouped with fp16 compression (half the bytes on the wire; its result is checked
-against the fp32 sum with fp16's tolerance). Every method's result is checked before timing.
+against the fp32 sum with fp16's tolerance), out of place as hvd.grouped_allreduce returns it
+and in place as DistributedOptimizer reduces gradients (the engine casts as it copies, Note
+[Casting on the wire] in csrc/executor.h). Every method's result is checked before timing.
 
 Two bounds from the link itself, in the same job: the link-rate limit (computed: the bytes a
 ring allreduce sends per host, 2 (N - 1) / N of the gradients, divided by --rate-bits, which
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 import collectives  # noqa: E402
 import hvdlite as hvd  # noqa: E402
+from hvdlite import ops  # noqa: E402
 
 FLAT = "tight bound (cat, 1 allreduce, foreach copy)"
 
@@ -34,6 +37,8 @@ FLAT = "tight bound (cat, 1 allreduce, foreach copy)"
 LIMIT = "link-rate limit (ring bytes / rate, computed)"
 LIMIT_FP16 = "link-rate limit, fp16 (computed)"
 TCP = "TCP ring bound (plain sockets, 4 streams)"
+IN_PLACE_FP16 = "hvdlite grouped in place, fp16 on the wire (DistributedOptimizer's path)"
+NATIVE_FP16 = "hvdlite grouped in place, float16 tensors (the same bytes, no cast)"
 
 
 def tcp_ring(rank, size, streams=4):
@@ -103,6 +108,19 @@ def main():
     for i, t in enumerate(tensors):
         assert torch.allclose(t, torch.full_like(t, want * (i % 7 + 1) / 7), rtol=1e-3), i
     methods["hvdlite grouped, fp16 compression"] = hvd_grouped_fp16
+
+    def hvd_in_place_fp16():  # DistributedOptimizer's path under Compression.fp16
+        hvd.synchronize(ops.allreduce_on_wire_async_(tensors, torch.float16, "fp16.in_place", hvd.Sum, 1.0, 1.0,
+                                                     hvd.global_process_set, grouped=True))
+
+    for i, t in enumerate(tensors):
+        t.fill_(float((rank + 1) * (i % 7 + 1)) / 7)
+    hvd_in_place_fp16()
+    for i, t in enumerate(tensors):
+        assert torch.allclose(t, torch.full_like(t, want * (i % 7 + 1) / 7), rtol=1e-3), i
+    methods[IN_PLACE_FP16] = hvd_in_place_fp16
+    halves = [t.half() for t in tensors]
+    methods[NATIVE_FP16] = lambda: hvd.grouped_allreduce_(halves, name="fp16.native", op=hvd.Sum)
     hosts = hvd.cross_size()
     ring_bytes = 2 * (hosts - 1) * sum(t.numel() * 4 for t in tensors) // hosts  # per host, fp32
     if hvd.size() == hosts:  # one rank per host: the ranks' ring is the hosts' ring
@@ -116,12 +134,14 @@ def main():
     if args.rate_bits > 0:
         limit = ring_bytes * 8 / args.rate_bits
         fp16 = "hvdlite grouped, fp16 compression"
-        vs_link = {LIMIT: [limit] * args.rounds, **{n: v for n, v in times.items() if n != fp16}}
+        vs_link = {LIMIT: [limit] * args.rounds, **{n: v for n, v in times.items() if n not in (fp16, IN_PLACE_FP16, NATIVE_FP16)}}
         _common.report(f"{title}, against the link-rate limit ({ring_bytes / 1e6:.1f} MB per host "
                        f"at {args.rate_bits / 1e9:g} Gbit/s)", vs_link, LIMIT,
                        {"hvdlite grouped": 1.05 if mode == "hierarchical" else 1.03}, args.json)
         _common.report(f"{title}, fp16 against its own link-rate limit",
-                       {LIMIT_FP16: [limit / 2] * args.rounds, fp16: times[fp16]}, LIMIT_FP16, {fp16: 1.10},
+                       {LIMIT_FP16: [limit / 2] * args.rounds, fp16: times[fp16], IN_PLACE_FP16: times[IN_PLACE_FP16],
+                        NATIVE_FP16: times[NATIVE_FP16]},
+                       LIMIT_FP16, {fp16: 1.10, IN_PLACE_FP16: 1.10},
                        args.json)
     hvd.shutdown()
 

@@ -88,7 +88,8 @@ std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Ten
                              const std::vector<std::optional<at::Tensor>>& outputs,
                              const std::vector<std::string>& names, int op, int root,
                              double prescale, double postscale, const std::string& group,
-                             const std::vector<std::vector<int64_t>>& splits) {
+                             const std::vector<std::vector<int64_t>>& splits,
+                             std::optional<at::ScalarType> wire) {
   if (outputs.size() != inputs.size() || names.size() != inputs.size() ||
       (!splits.empty() && splits.size() != inputs.size())) {
     Check(Status(StatusCode::kInternal, "malformed enqueue call"));
@@ -99,6 +100,7 @@ std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Ten
     args.push_back(Args(kind, inputs[i], outputs[i], names[i], op, root, prescale, postscale));
     args.back().group = group;
     if (!splits.empty()) args.back().splits = splits[i];
+    args.back().wire = wire;  // Note [Casting on the wire]
   }
   std::vector<int64_t> handles;
   Check(engine.Enqueue(std::move(args), &handles));

@@ -12,7 +12,7 @@ class HierarchicalRoute : public CpuRoute {
   HierarchicalRoute(ShmChannel* local, CollectiveBackend* cross) : local_(local), cross_(cross) {}
   std::string name() const override { return "the hierarchical allreduce"; }
 
-  bool FusesInPlace() const override { return local_ != nullptr; }
+  bool FusesInPlace(int64_t, bool) const override { return local_ != nullptr; }
   void AllreducePieces(const std::vector<ShmChannel::Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
                        const Hook& prescale, const Hook& finish) override {
     // The host's sum goes across hosts, chunk by chunk.
@@ -73,7 +73,7 @@ class SharedMemoryRoute : public CpuRoute {
                                        : "shared memory";
   }
 
-  bool FusesInPlace() const override { return true; }
+  bool FusesInPlace(int64_t bytes, bool casts) const override { return !casts || !shm_->SingleCopy(bytes); }
   void AllreducePieces(const std::vector<ShmChannel::Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
                        const Hook& prescale, const Hook& finish) override {
     shm_->AllreducePieces(pieces, dtype, op, prescale, finish);

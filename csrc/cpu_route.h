@@ -73,7 +73,9 @@ class CpuRoute {
   virtual std::string name() const = 0;
   // Note [Fusing straight into shared memory] (shm_channel.h): whether the route has memory of
   // its own that a batch can be fused into; if not, the executor fuses through a buffer.
-  virtual bool FusesInPlace() const { return false; }
+  // `bytes`: the batch's, on the wire; `casts`: some member is of another dtype (Note [Casting
+  // on the wire] in executor.h), which the single-copy path cannot take in place.
+  virtual bool FusesInPlace(int64_t bytes, bool casts) const { return false; }
   // Only where FusesInPlace(): reduces the pieces in the route's memory and writes each result
   // to its output.
   virtual void AllreducePieces(const std::vector<ShmChannel::Piece>& pieces, c10::ScalarType dtype,

@@ -82,7 +82,13 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     Request& r = entry.request;
     r.name = a.name.empty() ? NewName("hvdlite.noname") : a.name;
     r.kind = a.kind;
-    r.dtype = static_cast<int8_t>(a.input.scalar_type());
+    // Note [Casting on the wire]: the request carries the dtype that travels.
+    const bool cast = a.wire && at::isFloatingType(a.input.scalar_type()) && *a.wire != a.input.scalar_type();
+    if (a.wire && a.kind != CollectiveKind::kAllreduce) {
+      return Status(StatusCode::kInternal, "a wire dtype for a collective other than allreduce");
+    }
+    const c10::ScalarType wire = cast ? *a.wire : a.input.scalar_type();
+    r.dtype = static_cast<int8_t>(wire);
     r.device_type = static_cast<int8_t>(a.input.device().type());
     r.op = a.op;
     r.root = a.root;
@@ -92,7 +98,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     r.group = group;
     r.group_size = group.empty() ? 0 : static_cast<int32_t>(args.size());
     r.splits = std::move(a.splits);
-    MaybeInline(&r, a.input);
+    MaybeInline(&r, a.input, wire);
     if (!a.input.device().is_cpu()) {
       // Note [Device streams]: the input is ready once the caller's current stream gets here.
       c10::impl::VirtualGuardImpl impl(a.input.device().type());
@@ -103,7 +109,7 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     entry.output = std::move(a.output);
     entry.enqueued_us = MonotonicMicros();
     r.submitted_us = entry.enqueued_us;  // Note [Submission times]
-    entry.bytes = entry.input.numel() * static_cast<int64_t>(entry.input.element_size());
+    entry.bytes = entry.input.numel() * static_cast<int64_t>(c10::elementSize(wire));
     entries.push_back(std::move(entry));
   }
   std::vector<int64_t> created;
@@ -120,15 +126,16 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
   return Status::Ok();
 }
 
-void Engine::MaybeInline(Request* r, const at::Tensor& input) const {
+void Engine::MaybeInline(Request* r, const at::Tensor& input, c10::ScalarType wire) const {
   // Note [Inline small tensors]
   const bool kind_ok = r->kind == CollectiveKind::kAllreduce || r->kind == CollectiveKind::kAllgather ||
                        r->kind == CollectiveKind::kBroadcast;
-  const int64_t bytes = input.numel() * static_cast<int64_t>(input.element_size());
+  const int64_t bytes = input.numel() * static_cast<int64_t>(c10::elementSize(wire));
   if (!kind_ok || !input.device().is_cpu() || bytes > config_.inline_bytes) return;
   r->inlined = true;
   if (r->kind == CollectiveKind::kBroadcast && r->root != rank_) return;  // receivers send nothing
-  at::Tensor contiguous = input.contiguous();
+  // Note [Casting on the wire]: the bytes that travel are the wire dtype's.
+  at::Tensor contiguous = input.scalar_type() == wire ? input.contiguous() : input.to(wire).contiguous();
   r->payload.assign(static_cast<const char*>(contiguous.data_ptr()), static_cast<size_t>(bytes));
 }
 

@@ -53,6 +53,7 @@
 #include <memory>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -84,6 +85,9 @@ struct EnqueueArgs {
   double postscale = 1.0;
   std::string group;
   std::vector<int64_t> splits;  // alltoall
+  // Note [Casting on the wire]: allreduce only; a floating-point input of
+  // another dtype travels (and is reduced) as this dtype, and its result is cast back.
+  std::optional<c10::ScalarType> wire;
 };
 
 class Engine {
@@ -171,7 +175,7 @@ class Engine {
   void Stop(const Status& status);
   // Note [Agreement digest]: Ok, or the status that stops every rank in this round.
   Status CheckDigests(const std::vector<std::string>& raw) const;
-  void MaybeInline(Request* r, const at::Tensor& input) const;
+  void MaybeInline(Request* r, const at::Tensor& input, c10::ScalarType wire) const;
   // Note [Autotune]: feeds rank 0's tuner after a round that moved `bytes`.
   void RecordForAutotune(int64_t bytes);
 

@@ -29,12 +29,20 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   const bool scatter = request.kind == CollectiveKind::kReducescatter;
   const bool average = request.op == ReduceOp::kAverage;
   const ReduceOp wire_op = average ? ReduceOp::kSum : request.op;
+  // Note [Casting on the wire]: the buffer and the collective take the request's dtype; a
+  // member whose input is of another dtype is cast as it is copied in and out.
+  const auto wire = static_cast<c10::ScalarType>(request.dtype);
   int64_t total = 0;
-  for (Local& local : locals) total += local.entry.input.numel();
+  bool casts = false;
+  for (Local& local : locals) {
+    total += local.entry.input.numel();
+    casts = casts || local.entry.input.scalar_type() != wire;
+  }
 
   auto finish = [&](at::Tensor& part) { Postprocess(part, average, item.average_divisor, request.postscale); };
   Entry& first = locals.front().entry;
-  if (!scatter && total > 0 && first.input.device().is_cpu() && cpu_route_->FusesInPlace()) {
+  const int64_t wire_bytes = total * static_cast<int64_t>(c10::elementSize(wire));
+  if (!scatter && total > 0 && first.input.device().is_cpu() && cpu_route_->FusesInPlace(wire_bytes, casts)) {
     // Note [Fusing straight into shared memory] (shm_channel.h)
     std::vector<ShmChannel::Piece> pieces;
     pieces.reserve(locals.size());
@@ -46,19 +54,20 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
       if (local.entry.input.numel() == 0) continue;
       pieces.push_back({static_cast<const char*>(local.entry.input.data_ptr()),
                         static_cast<char*>(local.entry.output.data_ptr()),
-                        static_cast<int64_t>(local.entry.input.nbytes())});
+                        local.entry.input.numel() * static_cast<int64_t>(c10::elementSize(wire)),
+                        local.entry.input.scalar_type()});
     }
-    if (!pieces.empty() && !ShmChannel::PiecesOverlap(pieces)) {
+    if (!pieces.empty() && !ShmChannel::PiecesOverlap(pieces, wire)) {
       const double prescale = request.prescale;
       CollectiveStarts();
-      cpu_route_->AllreducePieces(pieces, first.input.scalar_type(), wire_op,
+      cpu_route_->AllreducePieces(pieces, wire, wire_op,
                                   prescale == 1.0 ? CpuRoute::Hook() : [prescale](at::Tensor& t) { Scale(t, prescale); },
                                   finish);
       CollectiveEnds();
       return;
     }
   }
-  if (!scatter && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
+  if (!scatter && !casts && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
     // One tensor: reduce straight in the output, no fusion buffer.
     if (!first.output.is_same(first.input)) first.output.copy_(first.input);
     Scale(first.output, request.prescale);
@@ -70,7 +79,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   }
   // Note [Reducescatter over Gloo]: a reducescatter reduces the whole (fused) buffer and keeps
   // this rank's rows; it fuses like allreduce and handles uneven row counts.
-  at::Tensor buffer = buffers_.Get(first.input.device(), first.input.scalar_type(), total);
+  at::Tensor buffer = buffers_.Get(first.input.device(), wire, total);
   if (!scatter && total > 0 && buffer.device().is_cpu() &&
       std::all_of(locals.begin(), locals.end(), [](const Local& l) {
         return Memcpyable(l.entry.input) && Memcpyable(l.entry.output);
@@ -82,30 +91,25 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
       starts.push_back(end);
       end += local.entry.input.numel();
     }
-    char* base = static_cast<char*>(buffer.data_ptr());
-    const int64_t element = static_cast<int64_t>(buffer.element_size());
-    // Calls move(member's data, buffer's data, bytes) for the part of every member in [begin, end).
+    // Calls move(member, its first element, the buffer's element, elements) for the part of
+    // every member in [begin, end).
     auto each = [&](int64_t begin, int64_t stop, auto&& move) {
       // the last member that starts at or before `begin` (starts[0] is 0)
       size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
       for (; i < locals.size() && starts[i] < stop; ++i) {
         const int64_t from = std::max(begin, starts[i]);
         const int64_t to = std::min(stop, starts[i] + locals[i].entry.input.numel());
-        if (from < to) move(i, (from - starts[i]) * element, base + from * element, (to - from) * element);
+        if (from < to) move(locals[i].entry, from - starts[i], from, to - from);
       }
     };
     const double prescale = request.prescale;
     auto copy_in = [&](int64_t begin, int64_t stop) {
-      each(begin, stop, [&](size_t i, int64_t at, char* to, int64_t bytes) {
-        std::memcpy(to, static_cast<const char*>(locals[i].entry.input.data_ptr()) + at, bytes);
-      });
+      each(begin, stop, [&](Entry& e, int64_t at, int64_t to, int64_t n) { CopyRange(e.input, at, buffer, to, n); });
       at::Tensor part = buffer.narrow(0, begin, stop - begin);
       Scale(part, prescale);
     };
     auto copy_out = [&](int64_t begin, int64_t stop) {
-      each(begin, stop, [&](size_t i, int64_t at, char* from, int64_t bytes) {
-        std::memcpy(static_cast<char*>(locals[i].entry.output.data_ptr()) + at, from, bytes);
-      });
+      each(begin, stop, [&](Entry& e, int64_t at, int64_t from, int64_t n) { CopyRange(buffer, from, e.output, at, n); });
     };
     CollectiveStarts();
     cpu_route_->AllreduceStaged(buffer, wire_op, copy_in, finish, copy_out);

@@ -16,9 +16,12 @@ void Executor::FromPayloads(Local& local) {
   const ReadyItem& item = *local.item;
   const Request& request = item.request;
   const at::Tensor& input = local.entry.input;
+  // Note [Casting on the wire]: the payloads are of the request's dtype, which an allreduce's
+  // input may not share; the result is cast back as it is written to the output.
+  const auto dtype = static_cast<c10::ScalarType>(request.dtype);
   auto rank_tensor = [&](int r) {
     const std::string& bytes = item.payloads[r];
-    at::Tensor t = at::empty({static_cast<int64_t>(bytes.size()) / input.element_size()}, input.options());
+    at::Tensor t = at::empty({static_cast<int64_t>(bytes.size() / c10::elementSize(dtype))}, input.options().dtype(dtype));
     if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
     return t;
   };

@@ -36,7 +36,7 @@ bool Memcpyable(const at::Tensor& t) { return t.device().is_cpu() && t.is_contig
 
 void CopyIn(at::Tensor& buffer, int64_t offset, const at::Tensor& src) {
   if (src.numel() == 0) return;
-  if (Memcpyable(src) && buffer.device().is_cpu()) {
+  if (Memcpyable(src) && buffer.device().is_cpu() && src.scalar_type() == buffer.scalar_type()) {
     std::memcpy(static_cast<char*>(buffer.data_ptr()) + offset * buffer.element_size(), src.data_ptr(),
                 src.nbytes());
     return;
@@ -46,12 +46,22 @@ void CopyIn(at::Tensor& buffer, int64_t offset, const at::Tensor& src) {
 
 void CopyOut(const at::Tensor& buffer, int64_t offset, at::Tensor& dst) {
   if (dst.numel() == 0) return;
-  if (Memcpyable(dst) && buffer.device().is_cpu()) {
+  if (Memcpyable(dst) && buffer.device().is_cpu() && dst.scalar_type() == buffer.scalar_type()) {
     std::memcpy(dst.data_ptr(), static_cast<const char*>(buffer.data_ptr()) + offset * buffer.element_size(),
                 dst.nbytes());
     return;
   }
   dst.copy_(Shaped(buffer, offset, dst));
+}
+
+void CopyRange(const at::Tensor& src, int64_t from, const at::Tensor& dst, int64_t to, int64_t n) {
+  if (src.scalar_type() == dst.scalar_type()) {
+    const int64_t element = static_cast<int64_t>(src.element_size());
+    std::memcpy(static_cast<char*>(dst.data_ptr()) + to * element,
+                static_cast<const char*>(src.data_ptr()) + from * element, n * element);
+    return;
+  }
+  dst.view({-1}).narrow(0, to, n).copy_(src.view({-1}).narrow(0, from, n));
 }
 
 void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {

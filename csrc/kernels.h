@@ -20,9 +20,13 @@ void Postprocess(at::Tensor& t, bool average, int divisor, double postscale);
 at::Tensor Shaped(const at::Tensor& flat, int64_t offset, const at::Tensor& like);
 // Note [Copies into fusion buffers]: a dense CPU tensor, which is copied with memcpy.
 bool Memcpyable(const at::Tensor& t);
-// Note [Copies into fusion buffers]: `offset` counts elements of the flat buffer.
+// Note [Copies into fusion buffers]: `offset` counts elements of the flat buffer. The buffer's
+// dtype may differ from the tensor's (Note [Casting on the wire]): the copy then casts.
 void CopyIn(at::Tensor& buffer, int64_t offset, const at::Tensor& src);
 void CopyOut(const at::Tensor& buffer, int64_t offset, at::Tensor& dst);
+// Copies n elements, from element `from` of dense CPU `src` to element `to` of dense CPU `dst`
+// (both counted in their own flat order), casting where their dtypes differ.
+void CopyRange(const at::Tensor& src, int64_t from, const at::Tensor& dst, int64_t to, int64_t n);
 // out = a (op) b, elementwise, for op kSum, kMin, kMax or kProduct; `out` may be `a`. The
 // shared-memory paths reduce with it, so the staged and single-copy paths agree bit for bit.
 void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op);

@@ -32,6 +32,17 @@ constexpr auto kSpin = std::chrono::microseconds(20);  // busy, before yielding
 constexpr auto kYield = std::chrono::microseconds(500);  // yielding, before sleeping on the futex
 constexpr int kCheckMs = 10;                           // a sleeper checks its peers this often
 
+// Note [Casting on the wire] (executor.h): a piece whose memory is of another dtype than the batch.
+bool Casts(const ShmChannel::Piece& piece, c10::ScalarType dtype) {
+  return piece.own != c10::ScalarType::Undefined && piece.own != dtype;
+}
+
+// The bytes a piece's memory spans (`bytes` counts the batch's elements of `element` bytes).
+uintptr_t OwnBytes(const ShmChannel::Piece& piece, size_t element) {
+  if (piece.own == c10::ScalarType::Undefined) return static_cast<uintptr_t>(piece.bytes);
+  return static_cast<uintptr_t>(piece.bytes / static_cast<int64_t>(element)) * c10::elementSize(piece.own);
+}
+
 inline void Relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -283,14 +294,16 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const StartAcross& acr
       nullptr, finish, across);
 }
 
-bool ShmChannel::PiecesOverlap(const std::vector<Piece>& pieces) {
+bool ShmChannel::PiecesOverlap(const std::vector<Piece>& pieces, c10::ScalarType dtype) {
   // Every distinct byte range a batch reads or writes, sorted: neighbours must not overlap.
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
   ranges.reserve(2 * pieces.size());
+  const size_t element = c10::elementSize(dtype);
   for (const Piece& piece : pieces) {
     const auto in = reinterpret_cast<uintptr_t>(piece.in), out = reinterpret_cast<uintptr_t>(piece.out);
-    ranges.emplace_back(in, in + piece.bytes);
-    if (out != in) ranges.emplace_back(out, out + piece.bytes);
+    const uintptr_t bytes = OwnBytes(piece, element);
+    ranges.emplace_back(in, in + bytes);
+    if (out != in) ranges.emplace_back(out, out + bytes);
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i) {
@@ -303,11 +316,29 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
                                  const Hook& prescale, const Hook& finish, const StartAcross& across) {
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t total_bytes = 0;
-  for (const Piece& piece : pieces) total_bytes += piece.bytes;
+  bool casts = false;
+  for (const Piece& piece : pieces) {
+    total_bytes += piece.bytes;
+    casts = casts || Casts(piece, dtype);
+  }
   if (!across && SingleCopy(total_bytes)) {  // Note [Single-copy allreduce]
+    // The route sends a batch that casts through a fusion buffer here (CpuRoute::FusesInPlace).
+    if (casts) throw std::logic_error("a batch that casts reached the single-copy path");
     SingleCopyPieces(pieces, dtype, op, prescale, finish);
     return;
   }
+  // Note [Casting on the wire]: `bytes` of the batch's dtype from `at` within `piece`, cast.
+  auto cast = [&](const Piece& piece, int64_t at, int64_t bytes, bool in, char* shared) {
+    const int64_t n = bytes / element, first = at / element;
+    const auto own = at::TensorOptions().dtype(piece.own);
+    const int64_t own_element = static_cast<int64_t>(c10::elementSize(piece.own));
+    at::Tensor segment = at::from_blob(shared, {n}, at::TensorOptions().dtype(dtype));
+    if (in) {
+      segment.copy_(at::from_blob(const_cast<char*>(piece.in) + first * own_element, {n}, own));
+    } else {
+      at::from_blob(piece.out + first * own_element, {n}, own).copy_(segment);
+    }
+  };
   // Chunks are consumed in order, so one cursor per direction walks the pieces once.
   struct Cursor {
     size_t piece = 0;
@@ -332,14 +363,22 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
       [&](char* slot, int64_t, int64_t n) {
         char* to = slot;
         walk(in_cursor, n * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
-          std::memcpy(to, piece.in + at, bytes);
+          if (Casts(piece, dtype)) {
+            cast(piece, at, bytes, true, to);
+          } else {
+            std::memcpy(to, piece.in + at, bytes);
+          }
           to += bytes;
         });
       },
       [&](char* result, int64_t, int64_t n) {
         const char* from = result;
         walk(out_cursor, n * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
-          std::memcpy(piece.out + at, from, bytes);
+          if (Casts(piece, dtype)) {
+            cast(piece, at, bytes, false, const_cast<char*>(from));
+          } else {
+            std::memcpy(piece.out + at, from, bytes);
+          }
           from += bytes;
         });
       },

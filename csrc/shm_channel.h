@@ -165,15 +165,19 @@ class ShmChannel {
   // scale at the same points, so every rank's share in the segment holds the same bytes
   // whichever entry each rank took.
   using Hook = std::function<void(at::Tensor&)>;
+  // `bytes` counts the batch's dtype. Where `own` is another dtype (Note [Casting on the wire]
+  // in executor.h), `in` and `out` hold as many elements of `own`, cast on the copies in and out;
+  // such pieces never take the single-copy path (peers would read the uncast memory).
   struct Piece {
     const char* in;
     char* out;
     int64_t bytes;
+    c10::ScalarType own = c10::ScalarType::Undefined;  // Undefined: the batch's dtype
   };
   // True when some piece's memory overlaps another piece's, or a piece's `in` and `out`
   // overlap without being the same: chunk k is copied out before chunk k + 1 is copied in, so
   // such a batch (the same tensor twice in a group, say) must go through a fusion buffer.
-  static bool PiecesOverlap(const std::vector<Piece>& pieces);
+  static bool PiecesOverlap(const std::vector<Piece>& pieces, c10::ScalarType dtype);
   void AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op,
                        const Hook& prescale, const Hook& finish, const StartAcross& across = nullptr);
 

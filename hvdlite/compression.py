@@ -49,6 +49,18 @@ class _CastCompressor(Compressor):
         return tensor if ctx is None else tensor.to(ctx)
 
 
+def engine_wire_dtype(compression):
+    """The dtype the engine casts floating-point tensors to itself, for ``Compression.fp16`` and
+    ``bf16`` (Note [Casting on the wire] in csrc/executor.h); None for every other compressor,
+    a subclass that changes ``compress`` or ``decompress`` included: those cast in Python."""
+    cls = compression if isinstance(compression, type) else type(compression)
+    if (issubclass(cls, _CastCompressor) and cls.wire_dtype is not None
+            and cls.compress.__func__ is _CastCompressor.compress.__func__
+            and cls.decompress is _CastCompressor.decompress):
+        return cls.wire_dtype
+    return None
+
+
 class FP16Compressor(_CastCompressor):
     wire_dtype = torch.float16
 

@@ -15,38 +15,40 @@ in the same order (as data-parallel training does). The gradients:
 import torch
 
 from . import basics, ops
-from .compression import Compression
+from .compression import Compression, engine_wire_dtype
 from .process_sets import global_process_set
 
 
+def _reduced(fn, tensors, name, args, grouped):
+    """The allreduce of ``tensors`` (op, scale factors, process set and wire dtype in ``args``)."""
+    op, pre, post, process_set, wire = args
+    return ops.synchronize(ops._allreduce(fn, tensors, False, None, name, op, pre, post, process_set,
+                                          grouped, wire=wire))
+
+
 class _Allreduce(torch.autograd.Function):
+    # The backward of a cast compressed in Python is the same cast, so the gradient travels as
+    # the same wire dtype (Note [Casting on the wire] in csrc/executor.h).
     @staticmethod
-    def forward(ctx, tensor, name, op, pre, post, process_set):
-        ctx.args = (op, pre, post, process_set)
-        return ops.synchronize(ops.allreduce_async(tensor.detach(), None, name, op, pre, post,
-                                                   process_set))
+    def forward(ctx, tensor, name, op, pre, post, process_set, wire):
+        ctx.args = (op, pre, post, process_set, wire)
+        return _reduced("allreduce", [tensor.detach()], name, ctx.args, grouped=False)
 
     @staticmethod
     def backward(ctx, grad):
-        op, pre, post, process_set = ctx.args
-        reduced = ops.synchronize(ops.allreduce_async(grad.contiguous(), None, None, op, pre, post,
-                                                      process_set))
-        return reduced, None, None, None, None, None
+        return (_reduced("allreduce", [grad.contiguous()], None, ctx.args, grouped=False),) + (None,) * 6
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, pre, post, process_set, *tensors):
-        ctx.args = (op, pre, post, process_set)
-        return tuple(ops.synchronize(ops.grouped_allreduce_async(
-            [t.detach() for t in tensors], None, name, op, pre, post, process_set)))
+    def forward(ctx, name, op, pre, post, process_set, wire, *tensors):
+        ctx.args = (op, pre, post, process_set, wire)
+        return tuple(_reduced("grouped_allreduce", [t.detach() for t in tensors], name, ctx.args, grouped=True))
 
     @staticmethod
     def backward(ctx, *grads):
-        op, pre, post, process_set = ctx.args
-        reduced = ops.synchronize(ops.grouped_allreduce_async(
-            [g.contiguous() for g in grads], None, None, op, pre, post, process_set))
-        return (None,) * 5 + tuple(reduced)
+        reduced = _reduced("grouped_allreduce", [g.contiguous() for g in grads], None, ctx.args, grouped=True)
+        return (None,) * 6 + tuple(reduced)
 
 
 class _Allgather(torch.autograd.Function):
@@ -171,8 +173,11 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """
     ops._check_tensor("allreduce", tensor, dtypes=ops._REDUCIBLE)
     op = ops._resolve_op("allreduce", average, op)
+    wire = engine_wire_dtype(compression) if op != ops.Adasum else None
+    if wire is not None:  # the engine casts (Note [Casting on the wire] in csrc/executor.h)
+        return _Allreduce.apply(tensor, name, op, prescale_factor, postscale_factor, process_set, wire)
     compressed, ctx = compression.compress(tensor)
-    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set, None)
     return compression.decompress(out, ctx)
 
 
@@ -181,8 +186,11 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     """Reduces a list of tensors as one fused operation; returns the list. Differentiable."""
     tensors = ops._check_tensors("grouped_allreduce", tensors, dtypes=ops._REDUCIBLE)
     op = ops._resolve_op("grouped_allreduce", average, op)
+    wire = engine_wire_dtype(compression) if op != ops.Adasum else None
+    if wire is not None:  # the engine casts (Note [Casting on the wire] in csrc/executor.h)
+        return list(_GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, wire, *tensors))
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, None,
                                    *[p[0] for p in pairs])
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 

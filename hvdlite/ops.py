@@ -136,7 +136,7 @@ def _runtime(fn, process_set):
 
 
 def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=0, prescale=1.0,
-            postscale=1.0, group="", splits=()):
+            postscale=1.0, group="", splits=(), wire=None):
     state, runtime = _runtime(fn, process_set)
     single = len(inputs) == 1
     if single:
@@ -149,12 +149,12 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
         if len(devices) > 1:
             raise HvdliteValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
     try:
-        if single and not group and not splits:  # the lean path of every per-tensor call
+        if single and not group and not splits and wire is None:  # the lean path of every per-tensor call
             core_handles = (runtime.engine.enqueue_one(kind, inputs[0], outputs[0], names[0], op,
                                                        root, prescale, postscale),)
         else:
             core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale,
-                                                  postscale, group, list(splits))
+                                                  postscale, group, list(splits), wire)
     except Exception as exc:
         raise _state.explain(exc, state, runtime.engine)
     handle = next(state.handle_ids)
@@ -194,12 +194,14 @@ def _contiguous_like(tensor):
 # ---- allreduce ---------------------------------------------------------------------------------
 
 def _allreduce(fn, tensors, in_place, average, name, op, prescale_factor, postscale_factor,
-               process_set, grouped):
+               process_set, grouped, wire=None):
+    """``wire``: the dtype floating-point tensors travel as, cast by the engine (Note [Casting
+    on the wire] in csrc/executor.h); the results keep the tensors' own dtypes."""
     op = _resolve_op(fn, average, op)
     pre = _check_scale(fn, "prescale_factor", prescale_factor)
     post = _check_scale(fn, "postscale_factor", postscale_factor)
     name = _check_name(fn, name)
-    if op == Adasum:
+    if op == Adasum:  # callers cast in Python for Adasum: it is computed at the call
         return _adasum(fn, tensors, in_place, name, pre, post, process_set, grouped)
     originals, tensors = tensors, _widen(tensors)
     outputs = list(tensors) if in_place else [_contiguous_like(t) for t in tensors]
@@ -207,9 +209,9 @@ def _allreduce(fn, tensors, in_place, average, name, op, prescale_factor, postsc
     if grouped:
         group, names = _group_names(fn, process_set, name, len(tensors))
         return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, names, finish, op=op,
-                       prescale=pre, postscale=post, group=group)
+                       prescale=pre, postscale=post, group=group, wire=wire)
     return _submit(fn, process_set, _ALLREDUCE, tensors, outputs, [name], finish, op=op,
-                   prescale=pre, postscale=post)
+                   prescale=pre, postscale=post, wire=wire)
 
 
 def _adasum(fn, tensors, in_place, name, pre, post, process_set, grouped):
@@ -340,6 +342,17 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 
 # ---- allgather ---------------------------------------------------------------------------------
+
+def allreduce_on_wire_async_(tensors, wire, name, op, prescale_factor, postscale_factor, process_set,
+                             grouped):
+    """In-place (grouped) allreduce whose floating-point tensors travel as dtype ``wire``, cast
+    by the engine as it copies them (Note [Casting on the wire] in csrc/executor.h):
+    DistributedOptimizer's gradients under Compression.fp16 / bf16."""
+    fn = "grouped_allreduce_async_" if grouped else "allreduce_async_"
+    tensors = _check_tensors(fn, tensors, dtypes=_REDUCIBLE)
+    return _allreduce(fn, tensors, True, None, name, op, prescale_factor, postscale_factor, process_set,
+                      grouped, wire=wire)
+
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Starts concatenating every rank's ``tensor`` along dimension 0, in rank order.

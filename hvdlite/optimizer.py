@@ -38,7 +38,7 @@ import torch
 from . import ops
 from ._runtime import compiled_backward as _compiled_backward
 from .basics import split_list
-from .compression import Compression
+from .compression import Compression, engine_wire_dtype
 from .exceptions import HvdliteTypeError, HvdliteValueError, NotInitializedError
 from .process_sets import global_process_set
 
@@ -100,6 +100,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         process_set = global_process_set if process_set is None else process_set
         self._optimizer = optimizer
         self._compression = compression
+        self._wire = engine_wire_dtype(compression) if op != ops.Adasum else None  # Note [Casting on the wire]
         self._op = op
         self._predivide = float(gradient_predivide_factor)
         self._passes_per_step = int(backward_passes_per_step)
@@ -434,11 +435,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if sparse_dim is not None:
                 self._sparse_dims[p] = sparse_dim  # an unused step then contributes sparse zeros
             grad = p.grad.to_dense() if sparse_dim is not None else p.grad
-            wire, ctx = self._compression.compress(grad)
+            wire, ctx = (grad, None) if self._wire is not None and sparse_dim is None else self._compression.compress(grad)
             sent.append(wire)
             contexts.append((ctx, wire is not p.grad, sparse_dim))
         pre, post = self._scale_factors()
-        if not grouped:
+        if self._wire is not None:
+            handle = ops.allreduce_on_wire_async_(sent, self._wire, group_name, self._op, pre, post,
+                                                  self._process_set, grouped)
+        elif not grouped:
             handle = ops.allreduce_async_(sent[0], name=group_name, op=self._op,
                                           prescale_factor=pre, postscale_factor=post,
                                           process_set=self._process_set)

@@ -49,6 +49,23 @@ def main():
     for i, factor in enumerate((1, 2)):
         want = reduce_reference([b * factor for b in base], hvd.Average, 1.0, 0.5)
         assert_close(got[i], want, torch.float32, f"mixed layouts member {i} on rank {rank}")
+    # Note [Casting on the wire] (csrc/executor.h): fp16 compression cast on the copies into and
+    # out of the channel, members of four dtypes straddling the chunks; odd ranks pass two
+    # members as strided views and go through a fusion buffer instead, and every rank must agree
+    dtypes = [torch.float32, torch.int32, torch.float64, torch.float16, torch.float32]
+    sizes = [700_001, 9, 300_003, 500_001, 1_100_007]
+    group = [[rank_input(100 + i, r, (n,), d, hvd.Average) for i, (n, d) in enumerate(zip(sizes, dtypes))]
+             for r in range(size)]
+    mine = list(group[rank])
+    if rank % 2:
+        mine[0], mine[4] = (torch.stack([t, t], 1)[:, 0] for t in (mine[0], mine[4]))  # same values, stride 2
+    got = hvd.grouped_allreduce(mine, op=hvd.Average, name="cast", compression=hvd.Compression.fp16,
+                                postscale_factor=2.0)
+    for i, (actual, d) in enumerate(zip(got, dtypes)):
+        sent = [g[i].half() if d.is_floating_point else g[i] for g in group]
+        assert actual.dtype == d, f"cast member {i}: dtype {actual.dtype} on rank {rank}"
+        assert_close(actual.to(sent[0].dtype), reduce_reference(sent, hvd.Average, 1.0, 2.0), sent[0].dtype,
+                     f"fp16 on the wire, member {i} ({d}) on rank {rank}")
     rows = [rank_input(70, r, (size * 3, 100), torch.float32) for r in range(size)]
     got = hvd.reducescatter(rows[rank], op=hvd.Sum, name="rs")
     assert_close(got, reduce_reference(rows, hvd.Sum).tensor_split(size)[rank], torch.float32,
