@@ -54,14 +54,20 @@ void CopyOut(const at::Tensor& buffer, int64_t offset, at::Tensor& dst) {
   dst.copy_(Shaped(buffer, offset, dst));
 }
 
-void CopyRange(const at::Tensor& src, int64_t from, const at::Tensor& dst, int64_t to, int64_t n) {
-  if (src.scalar_type() == dst.scalar_type()) {
-    const int64_t element = static_cast<int64_t>(src.element_size());
-    std::memcpy(static_cast<char*>(dst.data_ptr()) + to * element,
-                static_cast<const char*>(src.data_ptr()) + from * element, n * element);
+void CopyElements(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t n) {
+  if (from == to) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * c10::elementSize(from));
     return;
   }
-  dst.view({-1}).narrow(0, to, n).copy_(src.view({-1}).narrow(0, from, n));
+  at::from_blob(dst, {n}, at::TensorOptions().dtype(to))
+      .copy_(at::from_blob(const_cast<void*>(src), {n}, at::TensorOptions().dtype(from)));
+}
+
+void CopyRange(const at::Tensor& src, int64_t from, const at::Tensor& dst, int64_t to, int64_t n) {
+  CopyElements(static_cast<const char*>(src.data_ptr()) + from * static_cast<int64_t>(src.element_size()),
+               src.scalar_type(),
+               static_cast<char*>(dst.data_ptr()) + to * static_cast<int64_t>(dst.element_size()),
+               dst.scalar_type(), n);
 }
 
 void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {

@@ -24,8 +24,10 @@ bool Memcpyable(const at::Tensor& t);
 // dtype may differ from the tensor's (Note [Casting on the wire]): the copy then casts.
 void CopyIn(at::Tensor& buffer, int64_t offset, const at::Tensor& src);
 void CopyOut(const at::Tensor& buffer, int64_t offset, at::Tensor& dst);
-// Copies n elements, from element `from` of dense CPU `src` to element `to` of dense CPU `dst`
-// (both counted in their own flat order), casting where their dtypes differ.
+// Copies n elements from CPU memory `src` of dtype `from` to `dst` of dtype `to`: a memcpy, or
+// a cast where the dtypes differ (Note [Casting on the wire] in executor.h).
+void CopyElements(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t n);
+// CopyElements from element `from` of dense CPU `src` to element `to` of dense CPU `dst`.
 void CopyRange(const at::Tensor& src, int64_t from, const at::Tensor& dst, int64_t to, int64_t n);
 // out = a (op) b, elementwise, for op kSum, kMin, kMax or kProduct; `out` may be `a`. The
 // shared-memory paths reduce with it, so the staged and single-copy paths agree bit for bit.

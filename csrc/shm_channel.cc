@@ -327,18 +327,12 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
     SingleCopyPieces(pieces, dtype, op, prescale, finish);
     return;
   }
-  // Note [Casting on the wire]: `bytes` of the batch's dtype from `at` within `piece`, cast.
-  auto cast = [&](const Piece& piece, int64_t at, int64_t bytes, bool in, char* shared) {
-    const int64_t n = bytes / element, first = at / element;
-    const auto own = at::TensorOptions().dtype(piece.own);
-    const int64_t own_element = static_cast<int64_t>(c10::elementSize(piece.own));
-    at::Tensor segment = at::from_blob(shared, {n}, at::TensorOptions().dtype(dtype));
-    if (in) {
-      segment.copy_(at::from_blob(const_cast<char*>(piece.in) + first * own_element, {n}, own));
-    } else {
-      at::from_blob(piece.out + first * own_element, {n}, own).copy_(segment);
-    }
+  // Note [Casting on the wire]: where a piece's memory is `own`'s, its offset `at` (counted in
+  // the batch's bytes) lies at the same element there.
+  auto own_at = [&](const Piece& piece, int64_t at) {
+    return Casts(piece, dtype) ? at / element * static_cast<int64_t>(c10::elementSize(piece.own)) : at;
   };
+  auto own = [&](const Piece& piece) { return Casts(piece, dtype) ? piece.own : dtype; };
   // Chunks are consumed in order, so one cursor per direction walks the pieces once.
   struct Cursor {
     size_t piece = 0;
@@ -363,22 +357,14 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
       [&](char* slot, int64_t, int64_t n) {
         char* to = slot;
         walk(in_cursor, n * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
-          if (Casts(piece, dtype)) {
-            cast(piece, at, bytes, true, to);
-          } else {
-            std::memcpy(to, piece.in + at, bytes);
-          }
+          CopyElements(piece.in + own_at(piece, at), own(piece), to, dtype, bytes / element);
           to += bytes;
         });
       },
       [&](char* result, int64_t, int64_t n) {
         const char* from = result;
         walk(out_cursor, n * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
-          if (Casts(piece, dtype)) {
-            cast(piece, at, bytes, false, const_cast<char*>(from));
-          } else {
-            std::memcpy(piece.out + at, from, bytes);
-          }
+          CopyElements(from, dtype, piece.out + own_at(piece, at), own(piece), bytes / element);
           from += bytes;
         });
       },

@@ -341,8 +341,6 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                                                 postscale_factor, process_set))
 
 
-# ---- allgather ---------------------------------------------------------------------------------
-
 def allreduce_on_wire_async_(tensors, wire, name, op, prescale_factor, postscale_factor, process_set,
                              grouped):
     """In-place (grouped) allreduce whose floating-point tensors travel as dtype ``wire``, cast
@@ -353,6 +351,8 @@ def allreduce_on_wire_async_(tensors, wire, name, op, prescale_factor, postscale
     return _allreduce(fn, tensors, True, None, name, op, prescale_factor, postscale_factor, process_set,
                       grouped, wire=wire)
 
+
+# ---- allgather ---------------------------------------------------------------------------------
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Starts concatenating every rank's ``tensor`` along dimension 0, in rank order.
