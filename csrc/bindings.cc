@@ -132,15 +132,19 @@ bool Carried(at::ScalarType dtype) {
   return false;
 }
 
+// The tensors the lean allreduce bindings take: CPU, strided, with storage of their own (not a
+// wrapper such as torch.func's) and of a dtype the transport reduces.
+bool Lean(const at::Tensor& tensor) {
+  return tensor.defined() && tensor.device().is_cpu() && tensor.layout() == at::kStrided &&
+         tensor.has_storage() && !tensor.is_conj() && !tensor.is_neg() && Carried(tensor.scalar_type());
+}
+
 // allreduce_async_'s common case (hvdlite/ops.py): an in-place allreduce of one dense CPU
 // tensor of a dtype the transport reduces, no scaling. Returns -1, enqueuing nothing, for any
 // other tensor (Python's general path then checks it and says what is wrong). The checks cost
 // nanoseconds here and a fraction of a microsecond each as Python attribute reads.
 int64_t AllreduceInPlace(Engine& engine, const at::Tensor& tensor, const std::string& name, int op) {
-  if (!tensor.defined() || !tensor.device().is_cpu() || tensor.layout() != at::kStrided ||
-      !Carried(tensor.scalar_type())) {
-    return -1;
-  }
+  if (!Lean(tensor)) return -1;
   std::vector<EnqueueArgs> args;
   args.push_back(Args(static_cast<int>(CollectiveKind::kAllreduce), tensor, tensor, name, op, 0, 1.0, 1.0));
   std::vector<int64_t> handles;
@@ -151,6 +155,27 @@ int64_t AllreduceInPlace(Engine& engine, const at::Tensor& tensor, const std::st
   }
   Check(status);
   return handles.front();
+}
+
+// hvd.allreduce and hvd.allreduce_ in the same common case, enqueued and waited for in one
+// call: the caller runs the round itself (Note [A waiting caller runs the round] in engine.h).
+// Returns the result, or None when the tensor is not that case (the general path takes it).
+py::object AllreduceNow(Engine& engine, const at::Tensor& tensor, const std::string& name, int op, bool in_place) {
+  if (!Lean(tensor)) return py::none();
+  const at::Tensor output = in_place ? tensor : at::empty_like(tensor, at::MemoryFormat::Contiguous);
+  std::vector<EnqueueArgs> args;
+  args.push_back(Args(static_cast<int>(CollectiveKind::kAllreduce), tensor, output, name, op, 0, 1.0, 1.0));
+  std::vector<int64_t> handles;
+  at::Tensor result;
+  std::vector<int64_t> aux;
+  Status status;
+  {
+    py::gil_scoped_release release;
+    status = engine.Enqueue(std::move(args), &handles, /*waits_now=*/true);
+    if (status.ok()) status = engine.Wait(handles.front(), &result, &aux);
+  }
+  Check(status);
+  return py::cast(result);
 }
 
 // Both wait bindings: a completed handle is taken with the GIL held (releasing and retaking it
@@ -300,6 +325,7 @@ PYBIND11_MODULE(_core, m) {
              return std::make_pair(output, aux);
            })
       .def("allreduce_", &AllreduceInPlace)
+      .def("allreduce_now", &AllreduceNow)
       .def("wait_done",
            [](Engine& engine, int64_t handle) {
              // wait() for a result the caller already holds (an in-place allreduce's tensor):

@@ -114,6 +114,7 @@ const std::vector<Setting>& Settings() {
       Flag("HVDLITE_SHARED_MEMORY", "shared_memory", true, &Config::shared_memory),
       Flag("HVDLITE_SINGLE_COPY", "single_copy", true, &Config::single_copy),
       Flag("HVDLITE_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", true, &Config::hierarchical_allreduce),
+      Flag("HVDLITE_CALLER_ROUNDS", "caller_rounds", false, &Config::caller_rounds),
       Text("HVDLITE_AUTOTUNE_LOG", "autotune_log_path", &Config::autotune_log_path),
       Text("HVDLITE_TIMELINE", "timeline_path", &Config::timeline_path),
       {"HVDLITE_LOG_LEVEL", "log_level", K::kLevel, false, 0, 0, "one of trace, debug, info, warning, error",

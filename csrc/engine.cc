@@ -1,9 +1,10 @@
 #include "engine.h"
 
+#include <ATen/Functions.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
-#include <pthread.h>
-#include <sys/prctl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,12 +16,6 @@ namespace {
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
       .count();
-}
-
-constexpr double kActiveHeartbeatMs = 100.0;
-
-Clock::duration Millis(double ms) {
-  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms));
 }
 
 std::vector<CollectiveBackend*> Pointers(const std::vector<std::unique_ptr<CollectiveBackend>>& owned) {
@@ -54,7 +49,8 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       settings_digest_(JobWideDigest(config)),
       params_{config.fusion_threshold_bytes, config.cycle_time_ms},
       recorder_(size, config.flight_recorder_rounds, config.straggler_min_lag_ms),
-      last_exchange_end_us_(MonotonicMicros()) {
+      last_exchange_end_us_(MonotonicMicros()),
+      callers_run_rounds_(config.caller_rounds && cuda_backend_ == nullptr) {
   if (shm_) shm_->YieldWhile(queue_.waiting());  // Note [Yield only while a caller waits]
   // Which way CPU reductions travel (Note [CPU routes]), for --verbose and the timeline.
   const std::string route = executor_.CpuRouteName();
@@ -72,7 +68,7 @@ Engine::~Engine() {
   if (shm_) shm_->YieldWhile(nullptr);
 }
 
-Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* handles) {
+Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* handles, bool waits_now) {
   if (args.empty()) return Status(StatusCode::kInvalidArgument, "nothing to enqueue");
   std::vector<Entry> entries;
   entries.reserve(args.size());
@@ -107,17 +103,27 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     }
     entry.input = std::move(a.input);
     entry.output = std::move(a.output);
+    if (entry.output.defined() && entry.output.is_inference()) {  // Note [Inference tensors]
+      entry.write_back = std::move(entry.output);
+      c10::InferenceMode normal(false);
+      entry.output = at::empty_like(entry.write_back, at::MemoryFormat::Contiguous);
+    }
     entry.enqueued_us = MonotonicMicros();
     r.submitted_us = entry.enqueued_us;  // Note [Submission times]
     entry.bytes = entry.input.numel() * static_cast<int64_t>(c10::elementSize(wire));
     entries.push_back(std::move(entry));
   }
   std::vector<int64_t> created;
+  int64_t bytes = 0;
   for (Entry& entry : entries) {
     entry.handle = handles_.Create();
     created.push_back(entry.handle);
+    bytes += entry.bytes;
   }
-  Status status = queue_.Push(std::move(entries));
+  // Note [A waiting caller runs the round]: a caller about to wait on small work runs the
+  // round itself.
+  const bool caller_runs = waits_now && callers_run_rounds_ && bytes <= kCallerRoundMaxBytes;
+  Status status = queue_.Push(std::move(entries), /*wake=*/!caller_runs);
   if (!status.ok()) {
     for (int64_t h : created) handles_.Discard(h);
     return status;
@@ -144,6 +150,10 @@ Status Engine::Poll(int64_t handle, bool* done) { return handles_.Poll(handle, d
 Status Engine::Wait(int64_t handle, at::Tensor* output, std::vector<int64_t>* aux) {
   Completion completion;
   queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
+  RunRoundsWhile([&] {  // Note [A waiting caller runs the round]
+    bool done = true;
+    return handles_.Poll(handle, &done).ok() && !done;
+  });
   const Status status = handles_.Wait(handle, &completion);
   queue_.RemoveWaiter();
   if (!status.ok()) return status;
@@ -162,7 +172,10 @@ void Engine::WaitAll(const std::vector<int64_t>& handles, std::vector<at::Tensor
                      bool as_caller) {
   std::vector<Completion> completions;
   const bool blocks = as_caller && !handles_.AllDone(handles);
-  if (blocks) queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
+  if (blocks) {
+    queue_.AddWaiter();  // Note [A waiting caller ends the gathering]
+    RunRoundsWhile([&] { return !handles_.AllDone(handles); });  // Note [A waiting caller runs the round]
+  }
   handles_.WaitAll(handles, &completions, statuses);
   if (blocks) queue_.RemoveWaiter();
   outputs->resize(handles.size());
@@ -179,6 +192,17 @@ Status Engine::TakeResult(Completion* completion, at::Tensor* output, std::vecto
     c10::Device device = completion->output.device();
     c10::impl::VirtualGuardImpl impl(device.type());
     completion->done_event->block(impl.getStream(device));
+  }
+  if (completion->write_back.defined()) {  // Note [Inference tensors]
+    try {
+      // Below the autograd layer, which refuses to write an inference tensor outside inference
+      // mode: an inference tensor has no version counter or history for it to keep.
+      at::AutoDispatchBelowADInplaceOrView below;
+      completion->write_back.copy_(completion->output);
+    } catch (const std::exception& e) {
+      return Status(StatusCode::kInvalidArgument, std::string("the result could not be written into its tensor: ") + e.what());
+    }
+    completion->output = std::move(completion->write_back);
   }
   *output = std::move(completion->output);
   *aux = std::move(completion->aux);
@@ -220,106 +244,6 @@ void Engine::Shutdown(const std::string& reason, bool reset) {
   queue_.Wake();
   std::lock_guard<std::mutex> join_lock(join_mu_);
   if (thread_.joinable()) thread_.join();
-}
-
-void Engine::Loop() {
-  struct MarkStopped {
-    std::atomic<bool>& flag;
-    ~MarkStopped() { flag = true; }
-  } mark{stopped_};
-  at::NoGradGuard no_grad;
-  // The pauses of Note [Cycle policy] are tens of microseconds; the default timer slack
-  // (50 us) would more than double them.
-  prctl(PR_SET_TIMERSLACK, 1000UL /* ns */);
-  // Named for top -H, perf and bench/step_profile.py (at most 15 characters).
-  pthread_setname_np(pthread_self(), "hvdlite-engine");
-  auto last_round = Clock::now() - std::chrono::hours(1);
-  auto last_busy = Clock::now();
-  auto backoff = Millis(0.1);
-  bool stuck = false;
-  while (true) {
-    ApplyTimelineRequest();  // hvd.start_timeline / stop_timeline
-    ServePendingRequest();   // Note [Flight record]
-    // Note [Cycle policy]
-    const bool has_new = queue_.HasNew();
-    const bool waiting = queue_.HasInFlight();
-    if (shutdown_requested_) {
-      // go now
-    } else if (has_new || (waiting && !stuck)) {
-      // Note [A waiting caller ends the gathering]
-      auto next = last_round + Millis(params_.cycle_time_ms);
-      const bool waited =
-          Clock::now() < next && queue_.Pause(next) == TensorQueue::PauseEnd::kWaiter;
-      if (has_new && !waited) {
-        CoalesceBurst();
-        GatherBySize();
-      }
-    } else {
-      auto wait = stuck ? backoff : IdleHeartbeat(Clock::now() - last_busy);
-      queue_.WaitForWork(Clock::now() + wait);
-      // Woken by a push: go back and gather (cycle time, burst) instead of sending it alone.
-      if (queue_.HasNew() && !shutdown_requested_) continue;
-      if (stuck && !shutdown_requested_) {
-        backoff = std::min(backoff * 2, Millis(config_.idle_heartbeat_ms));
-      }
-    }
-    last_round = Clock::now();
-    bool keep_going = false, quiet = false;
-    // Note [Fatal errors]: nothing leaves this thread.
-    try {
-      keep_going = RunRound(&stuck, &quiet);
-    } catch (const StatusError& e) {
-      Stop(e.status);
-      return;
-    } catch (const std::exception& e) {
-      Stop(Status(StatusCode::kRankFailure,
-                  std::string("hvdlite lost contact with its peers; the job cannot continue: ") + ExceptionText(e)));
-      return;
-    } catch (...) {
-      Stop(Status(StatusCode::kInternal, "the engine thread failed with an unknown exception"));
-      return;
-    }
-    if (!quiet) last_busy = Clock::now();
-    if (!stuck) backoff = Millis(0.1);
-    if (!keep_going) return;
-  }
-}
-
-void Engine::CoalesceBurst() {
-  // Note [Cycle policy]: a caller that enqueues many tensors in a loop pushes one every few
-  // microseconds; starting the round at the first would send it alone and the rest a round
-  // later. Pause while pushes keep coming (one arrived during the last pause of kBurstGap), for
-  // at most kMaxBurstWait in all. The first pause is unconditional: this thread's own wake-up
-  // may have kept the pushing thread off the CPU (on a busy machine they share a core), so a
-  // gap measured before pausing says nothing. A waiting caller ends the burst at once (Note
-  // [A waiting caller ends the gathering]), so blocking calls never pay for this.
-  constexpr auto kBurstGap = std::chrono::microseconds(100);
-  constexpr auto kMaxBurstWait = std::chrono::microseconds(4000);
-  auto [oldest, newest] = queue_.NewSpan();
-  while (!shutdown_requested_) {
-    const auto deadline = std::min(Clock::now() + kBurstGap, oldest + kMaxBurstWait);
-    if (Clock::now() >= deadline || queue_.Pause(deadline) == TensorQueue::PauseEnd::kWaiter) return;
-    const auto latest = queue_.NewSpan().second;
-    if (latest == newest) return;  // nothing arrived during the pause: the burst is over
-    newest = latest;
-  }
-}
-
-void Engine::GatherBySize() {
-  // Note [Gathering by size]
-  if (config_.gather_bytes <= 0 || shutdown_requested_) return;
-  const auto deadline = queue_.NewSpan().first + Millis(config_.gather_max_ms);
-  // Reached by a push while paused: that push may start a burst, which joins the same round.
-  if (queue_.Pause(deadline, config_.gather_bytes) == TensorQueue::PauseEnd::kBytesArrived) {
-    CoalesceBurst();
-  }
-}
-
-Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {
-  // Note [Cycle policy]: soon after activity, a short heartbeat keeps a peer's shutdown or
-  // stall check prompt; a long-idle engine wakes rarely (each round costs the transport ~1 ms).
-  const auto slow = Millis(config_.idle_heartbeat_ms);
-  return idle_for < std::chrono::seconds(2) ? std::min(slow, Millis(kActiveHeartbeatMs)) : slow;
 }
 
 RankMessage Engine::ComposeMessage() {

@@ -231,7 +231,8 @@ void Executor::Complete(std::vector<Local>& locals, const std::shared_ptr<c10::E
   for (Local& local : locals) {
     if (local.neutral) continue;
     done.emplace_back(local.entry.handle,
-                      Completion{Status::Ok(), local.entry.output, done_event, std::move(local.aux)});
+                      Completion{Status::Ok(), local.entry.output, done_event, std::move(local.aux),
+                                 std::move(local.entry.write_back)});
   }
   handles_->CompleteAll(&done);
 }

@@ -4,7 +4,7 @@
 
 namespace hvdlite {
 
-Status TensorQueue::Push(std::vector<Entry> entries) {
+Status TensorQueue::Push(std::vector<Entry> entries, bool wake) {
   std::unordered_set<std::string> names;  // only a group can repeat a name within one call
   std::lock_guard<std::mutex> lock(mu_);
   if (!closed_.ok() && !entries.empty()) {
@@ -28,11 +28,12 @@ Status TensorQueue::Push(std::vector<Entry> entries) {
   newest_new_ = now;
   for (Entry& entry : entries) {
     new_bytes_ += entry.bytes;
+    in_flight_bytes_ += entry.bytes;
     new_requests_.push_back(entry.request);
     std::string name = entry.request.name;
     in_flight_.emplace(std::move(name), std::move(entry));
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
   if (hold_bytes_ > 0 && new_bytes_ >= hold_bytes_) pause_cv_.notify_one();
   return Status::Ok();
 }
@@ -50,6 +51,7 @@ bool TensorQueue::TakeEntry(const std::string& name, Entry* out) {
   auto it = in_flight_.find(name);
   if (it == in_flight_.end()) return false;
   *out = std::move(it->second);
+  in_flight_bytes_ -= out->bytes;
   in_flight_.erase(it);
   return true;
 }
@@ -63,6 +65,11 @@ TensorQueue::NewSpan() {
 bool TensorQueue::HasNew() {
   std::lock_guard<std::mutex> lock(mu_);
   return !new_requests_.empty();
+}
+
+int64_t TensorQueue::InFlightBytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_bytes_;
 }
 
 bool TensorQueue::HasInFlight() {
@@ -116,6 +123,7 @@ std::vector<Entry> TensorQueue::Close(const Status& status) {
   in_flight_.clear();
   new_requests_.clear();
   new_bytes_ = 0;
+  in_flight_bytes_ = 0;
   return remaining;
 }
 

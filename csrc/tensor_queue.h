@@ -32,6 +32,7 @@ struct Entry {
   Request request;
   at::Tensor input;
   at::Tensor output;  // allreduce/broadcast: allocated by Python (the input itself if in place)
+  at::Tensor write_back;  // Note [Inference tensors] (engine.h): the caller's output, if an inference tensor
   std::shared_ptr<c10::Event> ready_event;  // non-CPU tensors: recorded on the caller's stream
   int64_t enqueued_us = 0;                  // for the timeline
   int64_t bytes = 0;                        // the input's size (Note [Gathering by size])
@@ -40,8 +41,10 @@ struct Entry {
 class TensorQueue {
  public:
   // All or nothing: refuses the whole list if a name repeats within it or is already in
-  // flight on this rank, or if the queue was closed (then with the closing status).
-  Status Push(std::vector<Entry> entries);
+  // flight on this rank, or if the queue was closed (then with the closing status). `wake`
+  // false leaves WaitForWork asleep (its caller runs the round: Note [A waiting caller runs the
+  // round] in engine.h).
+  Status Push(std::vector<Entry> entries, bool wake = true);
 
   // Requests pushed since the last call, in push order (background thread).
   std::vector<Request> TakeNewRequests();
@@ -52,6 +55,8 @@ class TensorQueue {
   // When the newest and the oldest of the requests not yet taken were pushed.
   std::pair<std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point> NewSpan();
   bool HasInFlight();
+  // The bytes of the entries pushed and not yet taken (Note [A waiting caller runs the round]).
+  int64_t InFlightBytes();
   // Blocks until a push or Wake(), or until `deadline`.
   void WaitForWork(std::chrono::steady_clock::time_point deadline);
   void Wake();
@@ -86,6 +91,7 @@ class TensorQueue {
   std::atomic<int> waiters_{0};  // changed under mu_ (the pauses' predicate reads it)
   int64_t new_bytes_ = 0;   // of the requests not yet taken
   int64_t hold_bytes_ = 0;  // > 0 while Pause waits for that many
+  int64_t in_flight_bytes_ = 0;  // of the entries in in_flight_
   Status closed_;
   std::unordered_map<std::string, Entry> in_flight_;
   std::vector<Request> new_requests_;
@@ -97,6 +103,7 @@ struct Completion {
   at::Tensor output;
   std::shared_ptr<c10::Event> done_event;  // non-CPU: the output is ready after this event
   std::vector<int64_t> aux;  // alltoall: rows received from each rank; join: the last rank
+  at::Tensor write_back;     // Note [Inference tensors] (engine.h): copied into on the caller's thread
 };
 
 class HandleTable {

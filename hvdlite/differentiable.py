@@ -171,6 +171,12 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     input before the reduction and ``postscale_factor`` the result after it. Integer averages
     truncate toward zero. ``compression`` casts on the wire. Differentiable. Synchronizes.
     """
+    # Nothing to differentiate, nothing compressed, the common case: one native call.
+    if (compression is Compression.none and ops._plain(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+            and not (tensor.requires_grad and torch.is_grad_enabled())):
+        result = ops._allreduce_now(tensor, name, op, in_place=False)
+        if result is not None:
+            return result
     ops._check_tensor("allreduce", tensor, dtypes=ops._REDUCIBLE)
     op = ops._resolve_op("allreduce", average, op)
     wire = engine_wire_dtype(compression) if op != ops.Adasum else None

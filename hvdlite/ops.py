@@ -283,6 +283,26 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 _PLAIN_OPS = frozenset((Sum, Average, Min, Max, Product))
 
 
+def _plain(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+    """Whether an allreduce call is the common case that the engine's lean bindings take: a plain
+    op, no scaling, the global set, a tensor (which the engine checks further)."""
+    return (average is None and process_set is global_process_set and (op is None or type(op) is int and op in _PLAIN_OPS)
+            and type(prescale_factor) is float and prescale_factor == 1.0 and type(postscale_factor) is float
+            and postscale_factor == 1.0 and (name is None or type(name) is str) and isinstance(tensor, torch.Tensor))
+
+
+def _allreduce_now(tensor, name, op, in_place):
+    """A synchronous allreduce of the `_plain` case in one native call, the caller running the
+    round (Note [A waiting caller runs the round] in csrc/engine.h): the result, or None when the
+    engine does not take the tensor (the general path then does, and says what is wrong)."""
+    state = _state.current()
+    engine = state.sets[0].engine
+    try:
+        return engine.allreduce_now(tensor, name or "", Average if op is None else op, in_place)
+    except Exception as exc:
+        raise _state.explain(exc, state, engine)
+
+
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """In-place ``allreduce_async``: the result is written into ``tensor``."""
@@ -291,9 +311,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     # engine takes the tensor if it is strided, on the CPU and of a dtype the transport reduces
     # (it checks that in C++), else returns -1. Anything else takes the general path, which also
     # says what is wrong. The handle maps to an _InPlace (Note [One handle type]).
-    if (average is None and process_set is global_process_set and (op is None or type(op) is int and op in _PLAIN_OPS)
-            and type(prescale_factor) is float and prescale_factor == 1.0 and type(postscale_factor) is float
-            and postscale_factor == 1.0 and (name is None or type(name) is str) and isinstance(tensor, torch.Tensor)):
+    if _plain(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
         state = _state.current()
         engine = state.sets[0].engine
         try:
@@ -312,6 +330,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """In-place allreduce: reduces into ``tensor`` and returns it. Synchronizes."""
+    if _plain(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        result = _allreduce_now(tensor, name, op, in_place=True)
+        if result is not None:
+            return result
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set))
 
