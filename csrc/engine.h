@@ -35,10 +35,11 @@
 // where the handoffs matter, and a round's buffers, allocated on the user's thread (glibc's main
 // arena, among Python's objects), fragment it. Caller rounds for any size made the resident size
 // of tests/reliability's 2,500-operation soak grow by 150-450 MB, with the C heap in use flat;
-// up to 64 KiB, by 62-92 MB; up to 4 KiB, as little as with no caller rounds. The
+// up to 64 KiB, by 62-92 MB; up to 4 KiB, as little as with no caller rounds when run alone,
+// but by 64 MB within the whole suite. So it is off unless HVDLITE_CALLER_ROUNDS=1. The
 // background thread looks at the queue again whenever it takes the lock back, and skips a
 // heartbeat that a caller's round made unnecessary. Not where CUDA is on (the CUDA work runs on
-// the background thread's streams) or with HVDLITE_CALLER_ROUNDS=0.
+// the background thread's streams).
 //
 // Note [Inference tensors]
 // Rounds run outside inference mode, on whichever thread (Note [A waiting caller runs the

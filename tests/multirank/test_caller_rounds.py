@@ -13,6 +13,8 @@ import hvdlite as hvd
 from tests.harness import run_ranks
 from tests.multirank._reference import DTYPES, OPS, assert_close, rank_input, reduce_reference
 
+ON = {"HVDLITE_CALLER_ROUNDS": "1"}  # off by default (Note [A waiting caller runs the round])
+
 
 def _inputs(seed, shape, dtype, op, size):
     return [rank_input(seed, r, shape, dtype, op) for r in range(size)]
@@ -95,7 +97,7 @@ def _beside_async_threads():
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_caller_rounds_beside_background_rounds(size):
-    assert all(run_ranks(size, __name__, "_beside_async_threads", timeout=120))
+    assert all(run_ranks(size, __name__, "_beside_async_threads", timeout=120, env=ON))
 
 
 def _late_peer_and_mismatch():
@@ -125,7 +127,7 @@ def _late_peer_and_mismatch():
 
 
 def test_a_late_peer_and_a_mismatch_on_the_callers_round():
-    messages = run_ranks(3, __name__, "_late_peer_and_mismatch", timeout=90)
+    messages = run_ranks(3, __name__, "_late_peer_and_mismatch", timeout=90, env=ON)
     assert len(messages) == 3 and all("disagree" in m for m in messages), messages
 
 
@@ -155,4 +157,4 @@ def _inference_tensors():
 
 
 def test_inference_tensors_are_reduced_in_every_form():
-    assert all(run_ranks(2, __name__, "_inference_tensors", timeout=60))
+    assert all(run_ranks(2, __name__, "_inference_tensors", timeout=60, env=ON))
