@@ -158,7 +158,8 @@ int64_t AllreduceInPlace(Engine& engine, const at::Tensor& tensor, const std::st
 }
 
 // hvd.allreduce and hvd.allreduce_ in the same common case, enqueued and waited for in one
-// call: the caller runs the round itself (Note [A waiting caller runs the round] in engine.h).
+// call; with HVDLITE_CALLER_ROUNDS=1 the caller runs the round itself (Note [A waiting caller
+// runs the round] in engine.h).
 // Returns the result, or None when the tensor is not that case (the general path takes it).
 py::object AllreduceNow(Engine& engine, const at::Tensor& tensor, const std::string& name, int op, bool in_place) {
   if (!Lean(tensor)) return py::none();
