@@ -6,6 +6,7 @@
 // Python needs (reduce ops, collective kinds, status codes) are exported from here, once.
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
+#include <ATen/EmptyTensor.h>
 
 #include <map>
 #include <optional>
@@ -158,12 +159,13 @@ int64_t AllreduceInPlace(Engine& engine, const at::Tensor& tensor, const std::st
 }
 
 // hvd.allreduce and hvd.allreduce_ in the same common case, enqueued and waited for in one
-// call; with HVDLITE_CALLER_ROUNDS=1 the caller runs the round itself (Note [A waiting caller
-// runs the round] in engine.h).
+// call; for small tensors the caller runs the round itself (Note [A waiting caller runs the
+// round] in engine.h).
 // Returns the result, or None when the tensor is not that case (the general path takes it).
 py::object AllreduceNow(Engine& engine, const at::Tensor& tensor, const std::string& name, int op, bool in_place) {
   if (!Lean(tensor)) return py::none();
-  const at::Tensor output = in_place ? tensor : at::empty_like(tensor, at::MemoryFormat::Contiguous);
+  // (empty_cpu: the same contiguous CPU tensor as empty_like, without the operator dispatch)
+  const at::Tensor output = in_place ? tensor : at::Tensor(at::detail::empty_cpu(tensor.sizes(), tensor.scalar_type()));
   std::vector<EnqueueArgs> args;
   args.push_back(Args(static_cast<int>(CollectiveKind::kAllreduce), tensor, output, name, op, 0, 1.0, 1.0));
   std::vector<int64_t> handles;

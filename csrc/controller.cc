@@ -537,7 +537,8 @@ void Controller::Decide(ReadyItem&& item, std::vector<ReadyItem>* ready) {
 }
 
 void Controller::InspectStalls(int64_t now_ms, RoundResult* result) {
-  if (stall_check_ms_ <= 0 && stall_shutdown_ms_ <= 0) return;
+  // (an ostringstream costs a locale's set-up, about 0.3 us, in every round of a 4-byte loop)
+  if ((stall_check_ms_ <= 0 && stall_shutdown_ms_ <= 0) || arrival_.empty()) return;
   std::ostringstream table;
   std::vector<ReadyItem> stalled;
   for (const auto& [sequence, key] : arrival_) {  // arrival order: the same on every rank

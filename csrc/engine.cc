@@ -322,7 +322,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   int64_t cache_hits = 0;
   const size_t sent = mine.requests.size();
   const bool recording = recorder_.enabled();
-  if (recording) recorder_.SetActivity("negotiating round " + std::to_string(rounds_), MonotonicMicros());
+  if (recording) recorder_.SetRoundActivity("negotiating round", rounds_, MonotonicMicros());
   std::vector<std::string> raw = channel_.Exchange(EncodeRankMessage(mine, [this, &cache_hits](const Request& r) {
     const int32_t id = controller_.CacheLookup(rank_, r);
     cache_hits += id >= 0;
@@ -390,7 +390,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   }
   if (recording && !batches.empty()) {
     recorder_.RecordRoundTime(std::chrono::duration<double>(Clock::now() - t0).count());
-    recorder_.SetActivity("idle after round " + std::to_string(rounds_), MonotonicMicros());
+    recorder_.SetRoundActivity("idle after round", rounds_, MonotonicMicros());
   }
   if (tuner_ && !round.quiet) RecordForAutotune(moved);
   if (debug && !round.quiet) {

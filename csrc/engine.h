@@ -21,25 +21,30 @@
 // Note [A waiting caller runs the round]
 // A blocking call handed its round to the background thread and took it back: the push woke
 // the thread, the thread ran the round and completed the handle, and that woke the caller. On
-// the 2-core reference VM a 4-byte allreduce so took 40-170 us, against a 1-2 us shared-memory
+// the 2-core reference VM a 4-byte allreduce so took 18-40 us, against a 1-2 us shared-memory
 // ping-pong between the two processes, nearly all of it the two wake-ups (and the extra thread
 // competing for the cores while the peer's caller waits). So whichever thread holds drive_mu_
 // runs rounds (RunRoundHere): the background thread holds it except while it sleeps, and a
 // caller that blocks on a handle (Wait, WaitAll) and finds it free runs rounds itself until its
-// handles complete. A call that waits at once (hvd.allreduce and hvd.allreduce_, through
-// Enqueue's `waits_now`) pushes without waking the thread. The ranks do not care which thread
-// runs a round: rounds pair up by their order on each rank. A caller stops running rounds when
-// the lock is busy, at shutdown, and when a round changed nothing (its peers have not caught
-// up: the background thread's back-off takes over); it wakes the thread if work is left. Only
-// for small work, while at most kCallerRoundMaxBytes (4 KiB) are in flight on the rank: that is
-// where the handoffs matter, and a round's buffers, allocated on the user's thread (glibc's main
-// arena, among Python's objects), fragment it. Caller rounds for any size made the resident size
-// of tests/reliability's 2,500-operation soak grow by 150-450 MB, with the C heap in use flat;
-// up to 64 KiB, by 62-92 MB; up to 4 KiB, as little as with no caller rounds when run alone,
-// but by 64 MB within the whole suite. So it is off unless HVDLITE_CALLER_ROUNDS=1. The
-// background thread looks at the queue again whenever it takes the lock back, and skips a
-// heartbeat that a caller's round made unnecessary. Not where CUDA is on (the CUDA work runs on
-// the background thread's streams).
+// handles complete (a 4-byte allreduce: 8-10 us). A call that waits at once (hvd.allreduce and
+// hvd.allreduce_, through Enqueue's `waits_now`) pushes without waking the thread. The ranks do
+// not care which thread runs a round: rounds pair up by their order on each rank. A caller
+// stops running rounds when the lock is busy, at shutdown, and when a round changed nothing
+// (its peers have not caught up: the background thread's back-off takes over); it wakes the
+// thread if work is left.
+// Its allocations are the catch: they land in the caller's heap (glibc's main arena, among
+// Python's objects and the script's tensors), and whatever outlives the call there pins that
+// heap's pages. In tests/reliability's 2,500-operation soak, caller rounds for work of any
+// size grew the resident size by 400-550 MB with the C heap in use flat; so a caller runs the
+// round only while at most kCallerRoundMaxBytes (4 KiB) are in flight on the rank, and not
+// while rounds grow long-lived tables: the timeline's rows (a row per tensor name) and the
+// tuner's samples. With the soak's timeline and autotune on and callers still running those
+// rounds, the resident size grew 13-68 MB (the background thread alone: -18 to +21); without
+// the timeline and autotune, callers running rounds, -6 to +24 MB in six runs. The per-round state that lives on is written in place (Recorder::NextRound)
+// and an inlined allreduce allocates nothing (Note [Inline reduce in place]). The background
+// thread looks at the queue again whenever it takes the lock back, and skips a heartbeat that
+// a caller's round made unnecessary. HVDLITE_CALLER_ROUNDS=0 turns it off; never where CUDA is
+// on (the CUDA work runs on the background thread's streams).
 //
 // Note [Inference tensors]
 // Rounds run outside inference mode, on whichever thread (Note [A waiting caller runs the

@@ -119,8 +119,12 @@ void Engine::RunRoundsWhile(const std::function<bool()>& pending) {
     if (!drive.owns_lock() || finished_ || shutdown_requested_) break;
     // The last round changed nothing and this rank has nothing new: the background thread
     // backs off instead of this caller spinning rounds.
-    if ((stuck_ && !queue_.HasNew()) || queue_.InFlightBytes() > kCallerRoundMaxBytes) {
-      wake = true;  // (and large work is the background thread's)
+    // Large work, and rounds that grow long-lived tables (the timeline's rows, the tuner's
+    // samples), are the background thread's: the caller's allocations would land in its own
+    // heap among Python's objects (Note [A waiting caller runs the round]).
+    if ((stuck_ && !queue_.HasNew()) || queue_.InFlightBytes() > kCallerRoundMaxBytes || timeline_.enabled() ||
+        (tuner_ && !tuner_->done())) {
+      wake = true;
       break;
     }
     // The round runs as the background thread's do, whatever the caller's own thread state:

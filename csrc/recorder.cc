@@ -47,14 +47,18 @@ void Recorder::AddSample(int last_rank, int64_t lag_us) {
   next_sample_ = (next_sample_ + 1) % samples_.size();
 }
 
-void Recorder::AddRound(FlightRound&& round) {
-  if (flight_rounds_ == 0) return;
+FlightRound* Recorder::NextRound() {
+  if (flight_rounds_ == 0) return nullptr;
+  FlightRound* slot = nullptr;
   if (rounds_.size() < flight_rounds_) {
-    rounds_.push_back(std::move(round));
-    return;
+    slot = &rounds_.emplace_back();
+  } else {
+    slot = &rounds_[next_round_];
+    next_round_ = (next_round_ + 1) % rounds_.size();
   }
-  rounds_[next_round_] = std::move(round);
-  next_round_ = (next_round_ + 1) % rounds_.size();
+  slot->tensors = slot->bytes = slot->lag_us = 0;
+  slot->last_rank = -1;
+  return slot;  // (its items are overwritten in place and trimmed by the caller)
 }
 
 void Recorder::RecordRoundTime(double seconds) {
@@ -78,6 +82,14 @@ void Recorder::RecordNegotiation(double seconds, int64_t cache_hits, int64_t cac
 void Recorder::SetActivity(std::string what, int64_t since_us) {
   std::lock_guard<std::mutex> lock(mu_);
   activity_ = std::move(what);
+  activity_prefix_ = nullptr;
+  activity_since_us_ = since_us;
+}
+
+void Recorder::SetRoundActivity(const char* what, int64_t round, int64_t since_us) {
+  std::lock_guard<std::mutex> lock(mu_);
+  activity_prefix_ = what;
+  activity_round_ = round;
   activity_since_us_ = since_us;
 }
 
@@ -131,6 +143,9 @@ std::vector<FlightRound> Recorder::Rounds() const {
 
 std::pair<std::string, int64_t> Recorder::Activity() const {
   std::lock_guard<std::mutex> lock(mu_);
+  if (activity_prefix_ != nullptr) {
+    return {std::string(activity_prefix_) + " " + std::to_string(activity_round_), activity_since_us_};
+  }
   return {activity_, activity_since_us_};
 }
 

@@ -127,6 +127,9 @@ class Recorder {
   void RecordNegotiation(double seconds, int64_t cache_hits, int64_t cache_misses, bool stall_warning);
   // What the engine thread is doing now (Note [Flight record]).
   void SetActivity(std::string what, int64_t since_us);
+  // The same as "<what> <round>" (what: a literal), formatted only when read: every round sets
+  // two, and a 4-byte allreduce's round takes a few microseconds in all.
+  void SetRoundActivity(const char* what, int64_t round, int64_t since_us);
 
   std::vector<StragglerFigures> Stragglers() const;
   std::vector<FlightRound> Rounds() const;
@@ -138,7 +141,10 @@ class Recorder {
 
  private:
   void AddSample(int last_rank, int64_t lag_us);  // with mu_ held
-  void AddRound(FlightRound&& round);              // with mu_ held
+  // The ring's slot for the next round, its figures cleared; its items are left for the caller
+  // to overwrite in place and trim, so that their strings keep their capacity and a steady
+  // loop of rounds allocates nothing here. With mu_ held; null when the ring is off.
+  FlightRound* NextRound();
 
   std::atomic<bool> enabled_{true};
   const int size_;
@@ -150,6 +156,8 @@ class Recorder {
   std::vector<FlightRound> rounds_;               // ring
   size_t next_round_ = 0;
   std::string activity_ = "idle";
+  const char* activity_prefix_ = nullptr;  // SetRoundActivity's (activity_ is then unused)
+  int64_t activity_round_ = 0;
   int64_t activity_since_us_ = 0;
   MetricsSnapshot metrics_;
 };
@@ -167,10 +175,15 @@ std::vector<std::pair<std::string, std::string>> WaitDump(double timeout_s);
 template <typename TransportOf>
 void Recorder::RecordDecisions(int64_t round, int64_t at_us, const std::vector<Batch>& batches,
                                int64_t fusion_threshold, const TransportOf& transport) {
-  FlightRound record;
-  record.round = round;
-  record.at_us = at_us;
   std::lock_guard<std::mutex> lock(mu_);
+  FlightRound* record = NextRound();
+  if (record != nullptr) {
+    record->round = round;
+    record->at_us = at_us;
+  }
+  int last_rank = -1;
+  int64_t lag_us = 0;
+  size_t items = 0;  // in record->items, written in place
   for (const Batch& batch : batches) {
     // A batch is one kind over one transport (fusion.h), so its traffic is counted once.
     const std::string how = transport(batch);
@@ -187,15 +200,25 @@ void Recorder::RecordDecisions(int64_t round, int64_t at_us, const std::vector<B
         ++moved.tensors;
         moved.bytes += bytes;
       }
-      if (item.last_rank >= 0 && item.lag_us >= record.lag_us && item.status.ok()) {
-        record.last_rank = item.last_rank;
-        record.lag_us = item.lag_us;
+      if (item.last_rank >= 0 && item.lag_us >= lag_us && item.status.ok()) {
+        last_rank = item.last_rank;
+        lag_us = item.lag_us;
       }
-      ++record.tensors;
-      record.bytes += bytes;
-      if (record.items.size() < kFlightItems) {
-        record.items.push_back({item.request.name, item.request.kind, bytes, how,
-                                item.status.ok() ? "" : item.status.message()});
+      if (record == nullptr) continue;
+      ++record->tensors;
+      record->bytes += bytes;
+      if (items < kFlightItems) {
+        FlightItem& flight = items < record->items.size() ? record->items[items] : record->items.emplace_back();
+        ++items;
+        flight.name.assign(item.request.name);
+        flight.kind = item.request.kind;
+        flight.bytes = bytes;
+        flight.transport.assign(how);
+        if (item.status.ok()) {
+          flight.error.clear();
+        } else {
+          flight.error.assign(item.status.message());
+        }
       }
     }
     if (moved.tensors > 0) {
@@ -204,8 +227,12 @@ void Recorder::RecordDecisions(int64_t round, int64_t at_us, const std::vector<B
       t.bytes += moved.bytes;
     }
   }
-  if (record.last_rank >= 0) AddSample(record.last_rank, record.lag_us);
-  AddRound(std::move(record));
+  if (record != nullptr) {
+    record->items.resize(items);
+    record->last_rank = last_rank;
+    record->lag_us = lag_us;
+  }
+  if (last_rank >= 0) AddSample(last_rank, lag_us);
 }
 
 }  // namespace hvdlite

@@ -13,7 +13,7 @@ import hvdlite as hvd
 from tests.harness import run_ranks
 from tests.multirank._reference import DTYPES, OPS, assert_close, rank_input, reduce_reference
 
-ON = {"HVDLITE_CALLER_ROUNDS": "1"}  # off by default (Note [A waiting caller runs the round])
+ON = {"HVDLITE_CALLER_ROUNDS": "1"}  # the default, said explicitly (Note [A waiting caller runs the round])
 
 
 def _inputs(seed, shape, dtype, op, size):
