@@ -32,19 +32,20 @@
 // stops running rounds when the lock is busy, at shutdown, and when a round changed nothing
 // (its peers have not caught up: the background thread's back-off takes over); it wakes the
 // thread if work is left.
-// Its allocations are the catch: they land in the caller's heap (glibc's main arena, among
-// Python's objects and the script's tensors), and whatever outlives the call there pins that
-// heap's pages. In tests/reliability's 2,500-operation soak, caller rounds for work of any
-// size grew the resident size by 400-550 MB with the C heap in use flat; so a caller runs the
-// round only while at most kCallerRoundMaxBytes (4 KiB) are in flight on the rank, and not
-// while rounds grow long-lived tables: the timeline's rows (a row per tensor name) and the
-// tuner's samples. With the soak's timeline and autotune on and callers still running those
-// rounds, the resident size grew 13-68 MB (the background thread alone: -18 to +21); without
-// the timeline and autotune, callers running rounds, -6 to +24 MB in six runs. The per-round state that lives on is written in place (Recorder::NextRound)
-// and an inlined allreduce allocates nothing (Note [Inline reduce in place]). The background
-// thread looks at the queue again whenever it takes the lock back, and skips a heartbeat that
-// a caller's round made unnecessary. HVDLITE_CALLER_ROUNDS=0 turns it off; never where CUDA is
-// on (the CUDA work runs on the background thread's streams).
+// Its allocations are the catch: they land in the caller's heap (glibc's main arena, among Python's
+// objects and the script's tensors), and whatever outlives the call there pins that heap's pages.
+// In tests/reliability's 2,500-operation soak, caller rounds for work of any size grew the resident
+// size by 400-550 MB with the C heap in use flat (for any size but only a lone float allreduce in
+// place, by 21-46 MB); so a caller runs the round only while at most kCallerRoundMaxBytes (4 KiB)
+// are in flight on the rank, and not while rounds grow long-lived tables: the timeline's rows (a
+// row per tensor name) and the tuner's samples. With the soak's timeline and autotune on and
+// callers still running those rounds, the resident size grew 13-68 MB (the background thread alone:
+// -18 to +21); without the timeline and autotune, callers running rounds, -6 to +24 MB in six runs.
+// The per-round state that lives on is written in place (Recorder::NextRound) and an inlined
+// allreduce allocates nothing (Note [Inline reduce in place]). The background thread looks at the
+// queue again whenever it takes the lock back, and skips a heartbeat that a caller's round made
+// unnecessary. HVDLITE_CALLER_ROUNDS=0 turns it off; never where CUDA is on (the CUDA work runs on
+// the background thread's streams).
 //
 // Note [Inference tensors]
 // Rounds run outside inference mode, on whichever thread (Note [A waiting caller runs the
