@@ -39,7 +39,7 @@
 // place, by 21-46 MB); so a caller runs the round only while at most kCallerRoundMaxBytes (4 KiB)
 // are in flight on the rank, and not while rounds grow long-lived tables: the timeline's rows (a
 // row per tensor name) and the tuner's samples. With the soak's timeline and autotune on and
-// callers still running those rounds, the resident size grew 13-68 MB (the background thread alone:
+// callers still running those rounds, the resident size grew 2-68 MB (the background thread alone:
 // -18 to +21); without the timeline and autotune, callers running rounds, -6 to +24 MB in six runs.
 // The per-round state that lives on is written in place (Recorder::NextRound) and an inlined
 // allreduce allocates nothing (Note [Inline reduce in place]). The background thread looks at the

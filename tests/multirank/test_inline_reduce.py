@@ -19,7 +19,8 @@ OPS = [hvd.Sum, hvd.Average, hvd.Product]
 def _input(seed, rank, shape, dtype, low, high):
     g = torch.Generator().manual_seed(seed * 100 + rank)
     if dtype.is_floating_point:  # values whose sums round differently in another order
-        return (torch.randn(shape, generator=g, dtype=torch.float64) * 10 ** torch.randint(-3, 4, shape, generator=g)).to(dtype)
+        magnitude = 10.0 ** torch.randint(-3, 4, shape, generator=g)
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * magnitude).to(dtype)
     return torch.randint(low, high, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
@@ -49,7 +50,8 @@ def _every_form():
         want = _expected(inputs, op, postscale)
         what = f"{dtype} {op} postscale {postscale} shape {shape}"
         out = hvd.allreduce(inputs[rank].clone(), op=op, name=f"new.{i}", postscale_factor=postscale)
-        assert out.dtype == dtype and torch.equal(out, want), f"{what}: got {out.flatten()[:4]}, want {want.flatten()[:4]}"
+        assert out.dtype == dtype and torch.equal(out, want), \
+            f"{what}: got {out.flatten()[:4]}, want {want.flatten()[:4]}"
         mine = inputs[rank].clone()
         hvd.allreduce_(mine, op=op, name=f"inplace.{i}", postscale_factor=postscale)
         assert torch.equal(mine, want), f"{what} in place"

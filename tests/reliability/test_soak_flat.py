@@ -1,6 +1,7 @@
 """A short soak (bench/soak.py's routine): mixed collectives of every kind, with the timeline and
-autotune on and with neither, every result checked; after the warm-up, memory, file descriptors and threads stay
-flat. bench/soak.py --ops 100000 is the long version (its figures are in the notes).
+autotune on and with neither, every result checked; after the warm-up, memory, file descriptors
+and threads stay flat. bench/soak.py --ops 100000 is the long version (its figures are in the
+notes).
 
 Memory is judged by what the allocators have handed out, not by resident size. Resident size
 moves by up to 14 MB between samples of a 2,500-operation run with nothing leaking (glibc's heap
