@@ -24,6 +24,7 @@ namespace {
 // truncated toward zero for an integer, as Scale does), so the result is the same bit for bit.
 // Min, max (NaN and signed-zero rules), float16 and bfloat16 (computed in float) keep the
 // operators.
+
 // The type integer arithmetic runs in: unsigned, so that it wraps, and at least as wide as
 // int, so that no product of narrow types overflows int. Floats compute in their own type.
 template <typename T, bool = std::is_integral_v<T>>
@@ -80,7 +81,6 @@ bool ReduceInPlace(const ReadyItem& item, c10::ScalarType dtype, at::Tensor& out
     case at::kDouble: ReduceInto(static_cast<double*>(out), item.payloads, n, op, scale); return true;
     case at::kInt: ReduceInto(static_cast<int32_t*>(out), item.payloads, n, op, scale); return true;
     case at::kLong: ReduceInto(static_cast<int64_t*>(out), item.payloads, n, op, scale); return true;
-    case at::kShort: ReduceInto(static_cast<int16_t*>(out), item.payloads, n, op, scale); return true;
     case at::kChar: ReduceInto(static_cast<int8_t*>(out), item.payloads, n, op, scale); return true;
     case at::kByte: ReduceInto(static_cast<uint8_t*>(out), item.payloads, n, op, scale); return true;
     default: return false;

@@ -49,16 +49,10 @@ void Recorder::AddSample(int last_rank, int64_t lag_us) {
 
 FlightRound* Recorder::NextRound() {
   if (flight_rounds_ == 0) return nullptr;
-  FlightRound* slot = nullptr;
-  if (rounds_.size() < flight_rounds_) {
-    slot = &rounds_.emplace_back();
-  } else {
-    slot = &rounds_[next_round_];
-    next_round_ = (next_round_ + 1) % rounds_.size();
-  }
-  slot->tensors = slot->bytes = slot->lag_us = 0;
-  slot->last_rank = -1;
-  return slot;  // (its items are overwritten in place and trimmed by the caller)
+  if (rounds_.size() < flight_rounds_) return &rounds_.emplace_back();
+  FlightRound* slot = &rounds_[next_round_];
+  next_round_ = (next_round_ + 1) % rounds_.size();
+  return slot;
 }
 
 void Recorder::RecordRoundTime(double seconds) {

@@ -141,8 +141,8 @@ class Recorder {
 
  private:
   void AddSample(int last_rank, int64_t lag_us);  // with mu_ held
-  // The ring's slot for the next round, its figures cleared; its items are left for the caller
-  // to overwrite in place and trim, so that their strings keep their capacity and a steady
+  // The ring's slot for the next round, as the round it held left it: the caller overwrites
+  // every field, the items in place, so that their strings keep their capacity and a steady
   // loop of rounds allocates nothing here. With mu_ held; null when the ring is off.
   FlightRound* NextRound();
 
@@ -177,12 +177,8 @@ void Recorder::RecordDecisions(int64_t round, int64_t at_us, const std::vector<B
                                int64_t fusion_threshold, const TransportOf& transport) {
   std::lock_guard<std::mutex> lock(mu_);
   FlightRound* record = NextRound();
-  if (record != nullptr) {
-    record->round = round;
-    record->at_us = at_us;
-  }
   int last_rank = -1;
-  int64_t lag_us = 0;
+  int64_t lag_us = 0, tensors = 0, bytes_in_round = 0;
   size_t items = 0;  // in record->items, written in place
   for (const Batch& batch : batches) {
     // A batch is one kind over one transport (fusion.h), so its traffic is counted once.
@@ -204,10 +200,9 @@ void Recorder::RecordDecisions(int64_t round, int64_t at_us, const std::vector<B
         last_rank = item.last_rank;
         lag_us = item.lag_us;
       }
-      if (record == nullptr) continue;
-      ++record->tensors;
-      record->bytes += bytes;
-      if (items < kFlightItems) {
+      ++tensors;
+      bytes_in_round += bytes;
+      if (record != nullptr && items < kFlightItems) {
         FlightItem& flight = items < record->items.size() ? record->items[items] : record->items.emplace_back();
         ++items;
         flight.name.assign(item.request.name);
@@ -228,9 +223,13 @@ void Recorder::RecordDecisions(int64_t round, int64_t at_us, const std::vector<B
     }
   }
   if (record != nullptr) {
-    record->items.resize(items);
+    record->round = round;
+    record->at_us = at_us;
+    record->tensors = tensors;
+    record->bytes = bytes_in_round;
     record->last_rank = last_rank;
     record->lag_us = lag_us;
+    record->items.resize(items);
   }
   if (last_rank >= 0) AddSample(last_rank, lag_us);
 }
