@@ -98,8 +98,9 @@ def model_and_batch(name, batch, rank):
             torch.randint(0, 10, (batch,), generator=gen), F.cross_entropy)
 
 
-def timed(fn):
-    barrier()
+def timed(fn, start_line=None):
+    """Seconds for fn(), started after `start_line` (default: the Gloo barrier)."""
+    (start_line or barrier)()
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -109,15 +110,17 @@ def barrier():
     dist.barrier()
 
 
-def interleaved(methods, rounds, warmup=2):
-    """{name: fn} -> {name: [seconds per round]}, each round running every method once."""
+def interleaved(methods, rounds, warmup=2, start=None):
+    """{name: fn} -> {name: [seconds per round]}, each round running every method once.
+
+    `start`: the barrier each timed call starts from (default: the Gloo barrier)."""
     for _ in range(warmup):
         for fn in methods.values():
-            timed(fn)
+            timed(fn, start)
     times = {name: [] for name in methods}
     for _ in range(rounds):
         for name, fn in methods.items():
-            times[name].append(timed(fn))
+            times[name].append(timed(fn, start))
     # every rank reports the slowest rank's time for each round
     for name in times:
         t = torch.tensor(times[name], dtype=torch.float64)
