@@ -1,7 +1,7 @@
 """The cross-host benchmark: test hosts in network namespaces (tests/multihost/hosts.py) whose
 links are shaped with tc, and hvdlite against torch.distributed and DDP across them.
 
-    sudo python bench/multihost.py [--hosts 2] [--rate 1gbit] [--delay 0.5ms] [--rounds 5] [--json-dir DIR]
+    sudo python bench/multihost.py [--hosts 2] [--rate 1gbit] [--delay 0.5ms] [--mtu 9000] [--rounds 5] [--json-dir DIR]
 
 Needs root (namespaces, tc, sshd). Makes --hosts hosts (2 by default), shapes every link (each direction: rate
 and one-way delay with netem; rate only with tbf where the kernel has no netem, as on the
@@ -37,6 +37,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--delay", default="0.5ms", help="one-way delay per direction")
+    parser.add_argument("--mtu", type=int, default=None,
+                        help="every link's MTU (default: the veth's 1500; 9000 for jumbo frames, whose "
+                             "headers are 0.7%% of a frame against 4.4%% at 1500)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--slots", type=int, default=1, help="ranks per host")
     parser.add_argument("--hosts", type=int, default=2, help="test hosts (2 to 4)")
@@ -53,7 +56,7 @@ def main():
         raise SystemExit("bench/multihost.py: --hosts must be 2, 3 or 4")
     names = ["hvta", "hvtb", "hvtc", "hvtd"][:args.hosts]
     with TestHosts(names) as hosts:
-        link = hosts.shape(rate=args.rate, delay=args.delay)
+        link = hosts.shape(rate=args.rate, delay=args.delay, mtu=args.mtu)
         env = {**os.environ, "BENCH_LINK": link, "BENCH_RATE_BITS": str(rate_bits(args.rate)), "OMP_NUM_THREADS": "1"}
         print(f"{args.hosts} test hosts, every link shaped to {link} in each direction, "
               f"{args.slots} rank(s) per host", flush=True)

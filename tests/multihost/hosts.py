@@ -274,12 +274,16 @@ class TestHosts:
         """Brings a cut link back up (also safe when it is up, or the host is gone)."""
         _ip("-n", self.ns[name], "link", "set", "eth0", "up", check=False)
 
-    def shape(self, rate="1gbit", delay="0.5ms"):
+    def shape(self, rate="1gbit", delay="0.5ms", mtu=None):
         """Shapes every host's link in both directions (a host's egress, and the bridge port's
         egress towards it). Returns what was applied: netem (rate and one-way delay) where the
-        kernel has it, else tbf (rate only; the delay is then left out and said so)."""
+        kernel has it, else tbf (rate only; the delay is then left out and said so). `mtu`
+        (bytes) sets every link's MTU, the bridge's too, first (9000: jumbo frames)."""
         devices = [(["ip", "netns", "exec", self.ns[name]], "eth0") for name in self.names]
         devices += [([], f"{PREFIX}-b{i}") for i in range(len(self.names))]
+        if mtu:
+            for prefix, dev in devices + [([], self.bridge)]:
+                _sh(*prefix, "ip", "link", "set", "dev", dev, "mtu", str(mtu))
         netem = ["netem", "delay", delay, "rate", rate]
         tbf = ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
         probe = _sh(*devices[0][0], "tc", "qdisc", "replace", "dev", devices[0][1], "root", *netem, check=False)
@@ -287,4 +291,4 @@ class TestHosts:
             (tbf, f"{rate} (tbf; this kernel has no netem, so no added delay)")
         for prefix, dev in devices:
             _sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc)
-        return applied
+        return applied + (f", MTU {mtu}" if mtu else "")
