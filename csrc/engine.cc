@@ -122,7 +122,8 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
   }
   // Note [A waiting caller runs the round]: a caller about to wait on small work runs the
   // round itself.
-  const bool caller_runs = waits_now && callers_run_rounds_ && bytes <= kCallerRoundMaxBytes;
+  const bool caller_runs = waits_now && callers_run_rounds_ &&
+                           (bytes <= kCallerRoundMaxBytes || (bytes <= kCallerRoundKnownMaxBytes && AllKnownToCallers(entries)));
   Status status = queue_.Push(std::move(entries), /*wake=*/!caller_runs);
   if (!status.ok()) {
     for (int64_t h : created) handles_.Discard(h);

@@ -35,12 +35,26 @@
 // Its allocations are the catch: they land in the caller's heap (glibc's main arena, among Python's
 // objects and the script's tensors), and whatever outlives the call there pins that heap's pages.
 // In tests/reliability's 2,500-operation soak, caller rounds for work of any size grew the resident
-// size by 400-550 MB with the C heap in use flat (for any size but only a lone float allreduce in
-// place, by 21-46 MB); so a caller runs the round only while at most kCallerRoundMaxBytes (4 KiB)
-// are in flight on the rank, and not while rounds grow long-lived tables: the timeline's rows (a
-// row per tensor name) and the tuner's samples. With the soak's timeline and autotune on and
-// callers still running those rounds, the resident size grew 2-68 MB (the background thread alone:
-// -18 to +21); without the timeline and autotune, callers running rounds, -6 to +24 MB in six runs.
+// size by 400-550 MB with the C heap in use flat; rounds of at most 1 MB, 41-65 MB (4 KiB: 8-33).
+// The soak names every operation anew, so each of its rounds leaves state that outlives it: the
+// name's response-cache entry (every rank's request). So a caller runs the round (CallerMayRun)
+// only while
+//   - at most kCallerRoundMaxBytes (4 KiB) are in flight on the rank, or
+//   - at most kCallerRoundKnownMaxBytes (4 MB) are, every one of them a CPU allreduce over shared
+//     memory, its output allocated by Python, that this rank sent before exactly so (a response
+//     cache hit, KnownToCallers): a training loop's steady state, whose round allocates nothing
+//     that outlives it (ResponseCache::Record moves a known name's node, no allocation);
+// and never while rounds grow long-lived tables: the timeline's rows (a row per tensor name) and
+// the tuner's samples. With the soak's timeline and autotune on and callers still running those
+// rounds, the resident size grew 2-68 MB (the background thread alone: -18 to +21); without the
+// timeline and autotune, callers running rounds, -6 to +36 MB. A training-like loop whose callers
+// run every round up to 3 MB (tests/reliability/test_caller_rounds_steady.py) grew 2-7 MB, as
+// much as with the background thread running them. A 1 MB allreduce so went from 1.33-1.43x the
+// staged memory floor to 0.86-1.11x (bench/one_host.py): its handoff took about 30 us in a quiet
+// loop (the timeline: 4 us until the thread started the round, 8 us back to the caller, and the
+// two threads' different wake-up times inside the exchange) and several times that where a
+// vCPU had gone idle. Enqueue skips waking the thread for such work too (AllKnownToCallers,
+// looked at only if drive_mu_ is free).
 // The per-round state that lives on is written in place (Recorder::NextRound) and an inlined
 // allreduce allocates nothing (Note [Inline reduce in place]). The background thread looks at the
 // queue again whenever it takes the lock back, and skips a heartbeat that a caller's round made
@@ -209,6 +223,12 @@ class Engine {
   // Note [A waiting caller runs the round]: rounds on the calling thread while `pending` holds
   // and drive_mu_ is free.
   void RunRoundsWhile(const std::function<bool()>& pending);
+  // Note [A waiting caller runs the round]: whether a caller may run the next round (under
+  // drive_mu_), and whether an entry is one it may run above kCallerRoundMaxBytes.
+  bool CallerMayRun();
+  bool KnownToCallers(const Entry& entry) const;
+  // Whether every one of `entries` is, looked at under drive_mu_ if it is free (false if not).
+  bool AllKnownToCallers(const std::vector<Entry>& entries);
   // RunRound's steps: this rank's message for the round; every rank's, decoded, with the
   // status the round ends the engine with when a rank shuts down (Ok if none does), or a
   // kRankFailure when a message is malformed.
@@ -273,6 +293,8 @@ class Engine {
   const bool callers_run_rounds_;
   // The most bytes in flight on this rank for which a caller runs the round.
   static constexpr int64_t kCallerRoundMaxBytes = 4 << 10;
+  // The most for which a caller runs a round of allreduces it has run before (KnownToCallers).
+  static constexpr int64_t kCallerRoundKnownMaxBytes = 4 << 20;
   std::mutex drive_mu_;
   bool finished_ = false;  // a round stopped the engine
   bool stuck_ = false;     // the last round changed nothing while every rank waited (Note [Cycle policy])

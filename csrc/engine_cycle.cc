@@ -122,8 +122,7 @@ void Engine::RunRoundsWhile(const std::function<bool()>& pending) {
     // Large work, and rounds that grow long-lived tables (the timeline's rows, the tuner's
     // samples), are the background thread's: the caller's allocations would land in its own
     // heap among Python's objects (Note [A waiting caller runs the round]).
-    if ((stuck_ && !queue_.HasNew()) || queue_.InFlightBytes() > kCallerRoundMaxBytes || timeline_.enabled() ||
-        (tuner_ && !tuner_->done())) {
+    if ((stuck_ && !queue_.HasNew()) || !CallerMayRun()) {
       wake = true;
       break;
     }
@@ -145,6 +144,27 @@ void Engine::RunRoundsWhile(const std::function<bool()>& pending) {
     wake = drive.owns_lock() && (finished_ || queue_.HasInFlight() || queue_.HasNew());
   }
   if (wake) queue_.Wake();
+}
+
+bool Engine::CallerMayRun() {
+  if (timeline_.enabled() || (tuner_ && !tuner_->done())) return false;
+  const int64_t bytes = queue_.InFlightBytes();
+  if (bytes <= kCallerRoundMaxBytes) return true;
+  return bytes <= kCallerRoundKnownMaxBytes && queue_.AllInFlight([this](const Entry& e) { return KnownToCallers(e); });
+}
+
+bool Engine::KnownToCallers(const Entry& entry) const {
+  // A CPU allreduce over shared memory, whose output Python allocated, that this rank sent
+  // before exactly so: the round allocates nothing that outlives it (the response cache only
+  // moves the entry to the front).
+  return shared_memory() && entry.request.kind == CollectiveKind::kAllreduce && entry.input.device().is_cpu() &&
+         entry.output.defined() && controller_.CacheLookup(rank_, entry.request) >= 0;
+}
+
+bool Engine::AllKnownToCallers(const std::vector<Entry>& entries) {
+  if (t_running_round) return false;
+  std::unique_lock<std::mutex> drive(drive_mu_, std::try_to_lock);
+  return drive.owns_lock() && std::all_of(entries.begin(), entries.end(), [this](const Entry& e) { return KnownToCallers(e); });
 }
 
 void Engine::CoalesceBurst() {

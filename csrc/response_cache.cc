@@ -1,5 +1,7 @@
 #include "response_cache.h"
 
+#include <iterator>
+
 namespace hvdlite {
 namespace {
 
@@ -35,19 +37,23 @@ void ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Requ
   uint32_t id;
   auto found = by_name_.find(name);
   const bool is_new = found == by_name_.end();
+  // A name seen before moves its recency node to the front (splice: no allocation, so a
+  // round that only repeats names allocates nothing here that outlives it).
   if (!is_new) {
     id = found->second;
-    recency_.erase(entries_[id].recency);
+    recency_.splice(recency_.begin(), recency_, entries_[id].recency);
   } else if (entries_.size() < capacity_) {
     id = static_cast<uint32_t>(entries_.size());
     entries_.emplace_back();
+    recency_.push_front(id);
   } else {
     id = recency_.back();  // evict the least recently used name
-    recency_.pop_back();
+    recency_.splice(recency_.begin(), recency_, std::prev(recency_.end()));
     by_name_.erase(entries_[id].name);
     fingerprint_ ^= IdHash(id, entries_[id].name);
   }
   Entry& entry = entries_[id];
+  entry.recency = recency_.begin();
   if (is_new) {
     entry.name = name;
     entry.by_rank.assign(size_, Request());
@@ -61,8 +67,6 @@ void ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Requ
     entry.by_rank[ranks[i]].inlined = false;
     entry.present[ranks[i]] = true;
   }
-  recency_.push_front(id);
-  entry.recency = recency_.begin();
 }
 
 void ResponseCache::Clear() {

@@ -72,6 +72,14 @@ int64_t TensorQueue::InFlightBytes() {
   return in_flight_bytes_;
 }
 
+bool TensorQueue::AllInFlight(const std::function<bool(const Entry&)>& test) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, entry] : in_flight_) {
+    if (!test(entry)) return false;
+  }
+  return true;
+}
+
 bool TensorQueue::HasInFlight() {
   std::lock_guard<std::mutex> lock(mu_);
   return !in_flight_.empty();

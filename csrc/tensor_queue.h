@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -57,6 +58,8 @@ class TensorQueue {
   bool HasInFlight();
   // The bytes of the entries pushed and not yet taken (Note [A waiting caller runs the round]).
   int64_t InFlightBytes();
+  // Whether `test` holds for every entry pushed and not yet taken.
+  bool AllInFlight(const std::function<bool(const Entry&)>& test);
   // Blocks until a push or Wake(), or until `deadline`.
   void WaitForWork(std::chrono::steady_clock::time_point deadline);
   void Wake();

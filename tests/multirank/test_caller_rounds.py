@@ -62,6 +62,42 @@ def test_synchronous_allreduces_match_reference_whoever_runs_the_round(size, cal
     assert all(run_ranks(size, __name__, "_synchronous_mix", env=env, timeout=120))
 
 
+def _repeated_mid_size():
+    """Allreduces of 0.2-1.7 MB under the same names every pass: from the second pass the caller
+    runs these rounds too (Note [A waiting caller runs the round]: a repeated CPU allreduce over
+    shared memory up to 4 MB); in the last pass one name comes back with another shape (a cache
+    miss: the background thread's round again)."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    configs = [(dtype, op) for dtype in (torch.float16, torch.float32, torch.float64, torch.int8, torch.int64)
+               for op in (hvd.Average, hvd.Sum, hvd.Max)
+               if dtype.is_floating_point or op != hvd.Average]
+    for rep in range(3):
+        for k, (dtype, op) in enumerate(configs):
+            shape = (300, 701) if rep == 2 and k == 0 else (300, 700)
+            ranks = _inputs(100 * rep + k, shape, dtype, op, size)
+            name = f"mid.{k}"
+            if k % 3 == 0:  # in place
+                out = hvd.allreduce_(ranks[rank].clone(), op=op, name=name)
+                want = reduce_reference(ranks, op)
+            elif k % 3 == 1:  # a new tensor
+                out = hvd.allreduce(ranks[rank], op=op, name=name)
+                want = reduce_reference(ranks, op)
+            else:  # scaled on the way (floating point) or plain
+                scale = dtype.is_floating_point and op == hvd.Sum
+                pre, post = (0.5, 4.0) if scale else (1.0, 1.0)
+                out = hvd.allreduce(ranks[rank], op=op, name=name, prescale_factor=pre, postscale_factor=post)
+                want = reduce_reference(ranks, op, pre, post)
+            assert_close(out, want, dtype, f"pass {rep}, {name} ({dtype}, {op})")
+    hvd.shutdown()
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_repeated_mid_size_allreduces_whoever_runs_the_round(size):
+    assert all(run_ranks(size, __name__, "_repeated_mid_size", timeout=120, env=ON))
+
+
 def _beside_async_threads():
     """A thread keeps batches of async in-place allreduces in flight (the background thread's
     rounds) while the main thread makes synchronous calls (its own rounds)."""

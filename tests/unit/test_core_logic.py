@@ -158,6 +158,11 @@ def test_response_cache_abbreviates_repeated_requests_and_falls_back_on_change()
         c.round([msg(req(f"n{i}")), msg(req(f"n{i}"))])
     assert c.wire(0, msg(req("grad.w", shape=[64, 64])))[0] == full_size
     assert c.wire(0, msg(req("n7")))[0] < c.wire(0, msg(req("n8")))[0]
+    # a name used again moves to the front: with n0 used again, a new name evicts n1, not n0
+    c.round([msg(req("n0")), msg(req("n0"))])
+    c.round([msg(req("x")), msg(req("x"))])
+    assert c.wire(0, msg(req("n0")))[0] < c.wire(0, msg(req("n1")))[0]
+    assert c.wire(0, msg(req("n2")))[0] == c.wire(0, msg(req("n0")))[0]  # still cached
 
 
 def test_cache_disabled_sends_everything_in_full():
