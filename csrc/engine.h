@@ -35,7 +35,7 @@
 // Its allocations are the catch: they land in the caller's heap (glibc's main arena, among Python's
 // objects and the script's tensors), and whatever outlives the call there pins that heap's pages.
 // In tests/reliability's 2,500-operation soak, caller rounds for work of any size grew the resident
-// size by 400-550 MB with the C heap in use flat; rounds of at most 1 MB, 41-65 MB (4 KiB: 8-33).
+// size by 400-550 MB with the C heap in use flat; rounds of at most 1 MB, 40-65 MB (4 KiB: -2 to +33).
 // The soak names every operation anew, so each of its rounds leaves state that outlives it: the
 // name's response-cache entry (every rank's request). So a caller runs the round (CallerMayRun)
 // only while
