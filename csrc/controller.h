@@ -24,7 +24,8 @@
 //   5. a ready name whose requests disagree is emitted with a kMismatch status that names the
 //      field, the ranks and their values; a grouped operation fails as a whole;
 //   6. names pending past the stall deadlines produce a warning table, then kStall failures.
-// Called only from the background thread; no locking.
+// Called only by whichever thread holds the engine's drive_mu_ (the background thread or a
+// waiting caller: Note [A waiting caller runs the round] in engine.h); no locking.
 //
 // Note [Join]
 // A rank that has run out of data calls join(). From the round in which its join request is

@@ -126,6 +126,9 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
                            (bytes <= kCallerRoundMaxBytes || (bytes <= kCallerRoundKnownMaxBytes && AllKnownToCallers(entries)));
   Status status = queue_.Push(std::move(entries), /*wake=*/!caller_runs);
   if (!status.ok()) {
+    // Another caller may have given up on running rounds while AllKnownToCallers held the
+    // lock here; it counts on a holder that leaves work behind to wake the thread.
+    if (caller_runs) queue_.Wake();
     for (int64_t h : created) handles_.Discard(h);
     return status;
   }

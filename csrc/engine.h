@@ -43,13 +43,17 @@
 //   - at most kCallerRoundKnownMaxBytes (4 MB) are, every one of them a CPU allreduce over shared
 //     memory, its output allocated by Python, that this rank sent before exactly so (a response
 //     cache hit, KnownToCallers): a training loop's steady state, whose round allocates nothing
-//     that outlives it (ResponseCache::Record moves a known name's node, no allocation);
+//     that outlives it (ResponseCache::Record moves a known name's node, no allocation), unless
+//     a peer sends a name this rank has not (its pending entry waits for this rank's request);
+//     not with a cast on the wire or a non-contiguous tensor (the fusion buffer would grow) nor
+//     where single copy starts at or below 4 MB (its block is allocated by its first round);
 // and never while rounds grow long-lived tables: the timeline's rows (a row per tensor name) and
 // the tuner's samples. With the soak's timeline and autotune on and callers still running those
 // rounds, the resident size grew 2-68 MB (the background thread alone: -18 to +21); without the
 // timeline and autotune, callers running rounds, -6 to +36 MB. A training-like loop whose callers
-// run every round up to 3 MB (tests/reliability/test_caller_rounds_steady.py) grew 2-7 MB, as
-// much as with the background thread running them. A 1 MB allreduce so went from 1.33-1.43x the
+// run every round up to 3 MB (tests/reliability/test_caller_rounds_steady.py) showed no upward
+// trend: -16 to +17 MB over 1,500 steps, -7 to +1 over 3,000 (the background thread: -3 to +7),
+// the spread being the script's own tensors. A 1 MB allreduce so went from 1.33-1.43x the
 // staged memory floor to 0.86-1.11x (bench/one_host.py): its handoff took about 30 us in a quiet
 // loop (the timeline: 4 us until the thread started the round, 8 us back to the caller, and the
 // two threads' different wake-up times inside the exchange) and several times that where a
@@ -191,6 +195,8 @@ class Engine {
   int size() const { return size_; }
   const Config& config() const { return config_; }
   bool shared_memory() const { return shm_ != nullptr && !hierarchical_; }
+  // Note [A waiting caller runs the round]: how many rounds callers have run (tests).
+  uint64_t caller_rounds() const { return caller_rounds_.load(); }
   // Note [Single-copy allreduce] (shm_channel.h): for benchmarks and tests; false where the
   // engine has no channel or the probe did not allow it.
   bool SetSingleCopyMin(int64_t min_bytes) { return shared_memory() && shm_->SetSingleCopyMin(min_bytes); }
@@ -295,6 +301,7 @@ class Engine {
   static constexpr int64_t kCallerRoundMaxBytes = 4 << 10;
   // The most for which a caller runs a round of allreduces it has run before (KnownToCallers).
   static constexpr int64_t kCallerRoundKnownMaxBytes = 4 << 20;
+  std::atomic<uint64_t> caller_rounds_{0};  // rounds run by waiting callers (tests read it anywhere)
   std::mutex drive_mu_;
   bool finished_ = false;  // a round stopped the engine
   bool stuck_ = false;     // the last round changed nothing while every rank waited (Note [Cycle policy])

@@ -19,6 +19,11 @@ namespace {
 
 constexpr double kActiveHeartbeatMs = 100.0;
 
+// Set while this thread runs a round, and for good on the background thread, so that Python
+// code a round sets off (a tensor's last reference dropped, its finalizers) never tries to run
+// one inside it, nor to take drive_mu_ that its own thread holds.
+thread_local bool t_running_round = false;
+
 Clock::duration Millis(double ms) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms));
 }
@@ -30,6 +35,7 @@ void Engine::Loop() {
     std::atomic<bool>& flag;
     ~MarkStopped() { flag = true; }
   } mark{stopped_};
+  t_running_round = true;
   at::NoGradGuard no_grad;
   // The pauses of Note [Cycle policy] are tens of microseconds; the default timer slack
   // (50 us) would more than double them.
@@ -104,11 +110,6 @@ bool Engine::RunRoundHere() {
   return keep_going;
 }
 
-namespace {
-// Set while this thread runs a round, so that Python code the round sets off (a tensor's last
-// reference dropped, its finalizers) never tries to run one inside it.
-thread_local bool t_running_round = false;
-}  // namespace
 
 // Note [A waiting caller runs the round]
 void Engine::RunRoundsWhile(const std::function<bool()>& pending) {
@@ -127,12 +128,16 @@ void Engine::RunRoundsWhile(const std::function<bool()>& pending) {
       break;
     }
     // The round runs as the background thread's do, whatever the caller's own thread state:
-    // no autograd, no inference tensors (buffers outlive the call), no autocast.
+    // no autograd, no inference tensors (buffers outlive the call), no autocast, no Python
+    // dispatch modes (a TorchDispatchMode the caller entered would see the round's kernels).
     c10::InferenceMode not_inference(false);
     at::NoGradGuard no_grad;
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    c10::impl::ExcludeDispatchKeyGuard no_python(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
     t_running_round = true;
     ran = true;
+    caller_rounds_.fetch_add(1, std::memory_order_relaxed);
     const bool going = RunRoundHere();
     t_running_round = false;
     if (!going) break;  // finished_: the background thread must wake to exit
@@ -156,9 +161,14 @@ bool Engine::CallerMayRun() {
 bool Engine::KnownToCallers(const Entry& entry) const {
   // A CPU allreduce over shared memory, whose output Python allocated, that this rank sent
   // before exactly so: the round allocates nothing that outlives it (the response cache only
-  // moves the entry to the front).
+  // moves the entry to the front). Not one that would grow the fusion buffer (a cast on the
+  // wire, a non-contiguous tensor) or take the single-copy path (its block is allocated by the
+  // first round that takes it); single copy starts above kCallerRoundKnownMaxBytes unless a
+  // test or benchmark lowers it.
   return shared_memory() && entry.request.kind == CollectiveKind::kAllreduce && entry.input.device().is_cpu() &&
-         entry.output.defined() && controller_.CacheLookup(rank_, entry.request) >= 0;
+         entry.input.is_contiguous() && entry.output.defined() && entry.output.is_contiguous() &&
+         static_cast<c10::ScalarType>(entry.request.dtype) == entry.input.scalar_type() &&
+         !shm_->SingleCopy(kCallerRoundKnownMaxBytes) && controller_.CacheLookup(rank_, entry.request) >= 0;
 }
 
 bool Engine::AllKnownToCallers(const std::vector<Entry>& entries) {

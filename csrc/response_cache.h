@@ -10,7 +10,8 @@
 // state, because decoding happens before the round is processed. Anything that differs from
 // the cached request (a new name, another shape or op) is sent in full, and the cache entry is
 // replaced when that name is ready again. Least recently used entries are evicted past
-// HVDLITE_CACHE_CAPACITY (0 disables the cache). Background thread only; no locking.
+// HVDLITE_CACHE_CAPACITY (0 disables the cache). Used by whichever thread holds the engine's
+// drive_mu_ (Note [A waiting caller runs the round] in engine.h); no locking of its own.
 #pragma once
 
 #include <cstdint>
