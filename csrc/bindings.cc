@@ -159,8 +159,8 @@ int64_t AllreduceInPlace(Engine& engine, const at::Tensor& tensor, const std::st
 }
 
 // hvd.allreduce and hvd.allreduce_ in the same common case, enqueued and waited for in one
-// call; for small tensors the caller runs the round itself (Note [A waiting caller runs the
-// round] in engine.h).
+// call; for small tensors, and allreduces repeated as a training loop does, the caller runs the
+// round itself (Note [A waiting caller runs the round] in engine.h).
 // Returns the result, or None when the tensor is not that case (the general path takes it).
 py::object AllreduceNow(Engine& engine, const at::Tensor& tensor, const std::string& name, int op, bool in_place) {
   if (!Lean(tensor)) return py::none();

@@ -68,9 +68,10 @@ struct Config {
   // CPU tensors inside each host first (Note [Hierarchical allreduce] in cpu_route.h); 0
   // (default) runs one flat allreduce over every rank. Rank 0's value applies to the job.
   bool hierarchical_allreduce = false;
-  // HVDLITE_CALLER_ROUNDS: 1 (default) lets a caller that blocks on a small result run the
-  // negotiation round itself when the background thread is idle (Note [A waiting caller runs
-  // the round] in engine.h); 0 leaves every round to the background thread. Per rank.
+  // HVDLITE_CALLER_ROUNDS: 1 (default) lets a caller that blocks on a small result (or on
+  // allreduces it has sent before) run the negotiation round itself when the background thread
+  // is idle (Note [A waiting caller runs the round] in engine.h); 0 leaves every round to the
+  // background thread. Per rank.
   bool caller_rounds = true;
   // HVDLITE_AUTOTUNE: 1 makes rank 0 search the fusion threshold and cycle time during the
   // first samples of the job (Note [Autotune] in autotune.h); the two above are its start.

@@ -120,8 +120,8 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     created.push_back(entry.handle);
     bytes += entry.bytes;
   }
-  // Note [A waiting caller runs the round]: a caller about to wait on small work runs the
-  // round itself.
+  // Note [A waiting caller runs the round]: a caller about to wait on small work, or on
+  // allreduces it has sent before, runs the round itself.
   const bool caller_runs = waits_now && callers_run_rounds_ &&
                            (bytes <= kCallerRoundMaxBytes || (bytes <= kCallerRoundKnownMaxBytes && AllKnownToCallers(entries)));
   Status status = queue_.Push(std::move(entries), /*wake=*/!caller_runs);

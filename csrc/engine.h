@@ -230,8 +230,10 @@ class Engine {
   // and drive_mu_ is free.
   void RunRoundsWhile(const std::function<bool()>& pending);
   // Note [A waiting caller runs the round]: whether a caller may run the next round (under
-  // drive_mu_), and whether an entry is one it may run above kCallerRoundMaxBytes.
+  // drive_mu_), whether this engine lets callers run known work above kCallerRoundMaxBytes,
+  // and whether an entry is such work.
   bool CallerMayRun();
+  bool CallersTakeKnownWork() const;
   bool KnownToCallers(const Entry& entry) const;
   // Whether every one of `entries` is, looked at under drive_mu_ if it is free (false if not).
   bool AllKnownToCallers(const std::vector<Entry>& entries);

@@ -110,7 +110,6 @@ bool Engine::RunRoundHere() {
   return keep_going;
 }
 
-
 // Note [A waiting caller runs the round]
 void Engine::RunRoundsWhile(const std::function<bool()>& pending) {
   if (!callers_run_rounds_ || t_running_round) return;
@@ -120,9 +119,9 @@ void Engine::RunRoundsWhile(const std::function<bool()>& pending) {
     if (!drive.owns_lock() || finished_ || shutdown_requested_) break;
     // The last round changed nothing and this rank has nothing new: the background thread
     // backs off instead of this caller spinning rounds.
-    // Large work, and rounds that grow long-lived tables (the timeline's rows, the tuner's
-    // samples), are the background thread's: the caller's allocations would land in its own
-    // heap among Python's objects (Note [A waiting caller runs the round]).
+    // Large or new work, and rounds that grow long-lived tables (the timeline's rows, the
+    // tuner's samples), are the background thread's: what the caller allocates would land in
+    // its own heap among Python's objects (Note [A waiting caller runs the round]).
     if ((stuck_ && !queue_.HasNew()) || !CallerMayRun()) {
       wake = true;
       break;
@@ -155,24 +154,30 @@ bool Engine::CallerMayRun() {
   if (timeline_.enabled() || (tuner_ && !tuner_->done())) return false;
   const int64_t bytes = queue_.InFlightBytes();
   if (bytes <= kCallerRoundMaxBytes) return true;
-  return bytes <= kCallerRoundKnownMaxBytes && queue_.AllInFlight([this](const Entry& e) { return KnownToCallers(e); });
+  return bytes <= kCallerRoundKnownMaxBytes && CallersTakeKnownWork() &&
+         queue_.AllInFlight([this](const Entry& e) { return KnownToCallers(e); });
+}
+
+bool Engine::CallersTakeKnownWork() const {
+  // Over shared memory, and not on the single-copy path (its block is allocated by the first
+  // round that takes it), which starts above kCallerRoundKnownMaxBytes unless a test or a
+  // benchmark lowers it.
+  return shared_memory() && !shm_->SingleCopy(kCallerRoundKnownMaxBytes);
 }
 
 bool Engine::KnownToCallers(const Entry& entry) const {
-  // A CPU allreduce over shared memory, whose output Python allocated, that this rank sent
-  // before exactly so: the round allocates nothing that outlives it (the response cache only
-  // moves the entry to the front). Not one that would grow the fusion buffer (a cast on the
-  // wire, a non-contiguous tensor) or take the single-copy path (its block is allocated by the
-  // first round that takes it); single copy starts above kCallerRoundKnownMaxBytes unless a
-  // test or benchmark lowers it.
-  return shared_memory() && entry.request.kind == CollectiveKind::kAllreduce && entry.input.device().is_cpu() &&
+  // A CPU allreduce whose output Python allocated, that this rank sent before exactly so: the
+  // round allocates nothing that outlives it (the response cache only moves the entry to the
+  // front). Not one that would grow the fusion buffer (a cast on the wire, a non-contiguous
+  // tensor).
+  return entry.request.kind == CollectiveKind::kAllreduce && entry.input.device().is_cpu() &&
          entry.input.is_contiguous() && entry.output.defined() && entry.output.is_contiguous() &&
          static_cast<c10::ScalarType>(entry.request.dtype) == entry.input.scalar_type() &&
-         !shm_->SingleCopy(kCallerRoundKnownMaxBytes) && controller_.CacheLookup(rank_, entry.request) >= 0;
+         controller_.CacheLookup(rank_, entry.request) >= 0;
 }
 
 bool Engine::AllKnownToCallers(const std::vector<Entry>& entries) {
-  if (t_running_round) return false;
+  if (t_running_round || !CallersTakeKnownWork()) return false;
   std::unique_lock<std::mutex> drive(drive_mu_, std::try_to_lock);
   return drive.owns_lock() && std::all_of(entries.begin(), entries.end(), [this](const Entry& e) { return KnownToCallers(e); });
 }
