@@ -54,7 +54,8 @@
 // run every round up to 3 MB (tests/reliability/test_caller_rounds_steady.py) showed no upward
 // trend: -16 to +17 MB over 1,500 steps, -7 to +1 over 3,000 (the background thread: -3 to +7),
 // the spread being the script's own tensors. A 1 MB allreduce so went from 1.33-1.43x the
-// staged memory floor to 0.86-1.11x (bench/one_host.py): its handoff took about 30 us in a quiet
+// staged memory floor to 0.87-1.30x (bench/one_host.py: 13 runs, 7 of them at most 1.10x, the
+// rest in a noisier hour). With the background thread, its handoff took about 30 us in a quiet
 // loop (the timeline: 4 us until the thread started the round, 8 us back to the caller, and the
 // two threads' different wake-up times inside the exchange) and several times that where a
 // vCPU had gone idle. Enqueue skips waking the thread for such work too (AllKnownToCallers,
