@@ -364,6 +364,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("hierarchical", &Engine::hierarchical)
       .def_property_readonly("shm_waits", &Engine::shm_waits)
       .def_property_readonly("_caller_rounds", &Engine::caller_rounds)
+      .def_property_readonly("_straight_shares", &Engine::straight_shares)
       .def("_set_single_copy_min", &Engine::SetSingleCopyMin, py::arg("min_bytes"))
       .def_property_readonly("single_copy", &Engine::single_copy)
       .def_property_readonly("fusion_threshold_bytes",

@@ -206,6 +206,8 @@ class Engine {
   std::pair<uint64_t, uint64_t> shm_waits() const {
     return shm_ ? std::make_pair(shm_->waits_yielded(), shm_->waits_slept()) : std::make_pair(uint64_t{0}, uint64_t{0});
   }
+  // Note [Own share straight from the input] (shm_channel.h): chunks so reduced (tests).
+  uint64_t straight_shares() const { return shm_ ? shm_->straight_shares() : 0; }
   bool hierarchical() const { return hierarchical_; }
 
   // Note [Straggler attribution], [Flight record] and [Metrics]: read by Python threads.

@@ -291,6 +291,10 @@ void ShmChannel::Allreduce(at::Tensor& flat, ReduceOp op, const StartAcross& acr
       flat.numel(), flat.scalar_type(), op,
       [&](char* slot, int64_t offset, int64_t n) { std::memcpy(slot, data + offset * element, n * element); },
       [&](char* result, int64_t offset, int64_t n) { std::memcpy(data + offset * element, result, n * element); },
+      [&](int64_t offset, int64_t n, std::vector<Segment>* own) {
+        own->assign(1, Segment{data + offset * element, n});
+        return true;
+      },
       nullptr, finish, across);
 }
 
@@ -333,18 +337,20 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
     return Casts(piece, dtype) ? at / element * static_cast<int64_t>(c10::elementSize(piece.own)) : at;
   };
   auto own = [&](const Piece& piece) { return Casts(piece, dtype) ? piece.own : dtype; };
-  // Chunks are consumed in order, so one cursor per direction walks the pieces once.
+  // Offsets only grow, so one cursor per use walks the pieces once.
   struct Cursor {
     size_t piece = 0;
-    int64_t within = 0;  // bytes of `piece` already done
-  } in_cursor, out_cursor;
-  auto walk = [&](Cursor& cursor, int64_t bytes, const std::function<void(const Piece&, int64_t, int64_t)>& step) {
-    int64_t done = 0;
-    while (done < bytes) {
+    int64_t within = 0;  // bytes of `piece` already passed
+    int64_t at = 0;      // bytes of the batch already passed
+  } in_cursor, out_cursor, direct_cursor;
+  using Step = std::function<void(const Piece&, int64_t, int64_t)>;
+  // Passes the batch's bytes [cursor.at, to), handing each piece's part of them to `step`.
+  auto walk = [&](Cursor& cursor, int64_t to, const Step& step) {
+    while (cursor.at < to || (cursor.piece < pieces.size() && pieces[cursor.piece].bytes == 0)) {
       const Piece& piece = pieces[cursor.piece];
-      const int64_t n = std::min(piece.bytes - cursor.within, bytes - done);
-      step(piece, cursor.within, n);
-      done += n;
+      const int64_t n = std::min(piece.bytes - cursor.within, to - cursor.at);
+      if (step && n > 0) step(piece, cursor.within, n);
+      cursor.at += n;
       cursor.within += n;
       if (cursor.within == piece.bytes) {
         ++cursor.piece;
@@ -354,25 +360,36 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
   };
   Run(
       total_bytes / element, dtype, op,
-      [&](char* slot, int64_t, int64_t n) {
-        char* to = slot;
-        walk(in_cursor, n * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
+      [&](char* to, int64_t offset, int64_t n) {
+        walk(in_cursor, offset * element, nullptr);
+        walk(in_cursor, (offset + n) * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
           CopyElements(piece.in + own_at(piece, at), own(piece), to, dtype, bytes / element);
           to += bytes;
         });
       },
-      [&](char* result, int64_t, int64_t n) {
+      [&](char* result, int64_t offset, int64_t n) {
         const char* from = result;
-        walk(out_cursor, n * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
+        walk(out_cursor, offset * element, nullptr);
+        walk(out_cursor, (offset + n) * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
           CopyElements(from, dtype, piece.out + own_at(piece, at), own(piece), bytes / element);
           from += bytes;
         });
+      },
+      [&](int64_t offset, int64_t n, std::vector<Segment>* own) {  // Note [Own share straight from the input]
+        own->clear();
+        bool casts = false;
+        walk(direct_cursor, offset * element, nullptr);
+        walk(direct_cursor, (offset + n) * element, [&](const Piece& piece, int64_t at, int64_t bytes) {
+          casts = casts || Casts(piece, dtype);
+          own->push_back(Segment{piece.in + at, bytes / element});
+        });
+        return !casts && static_cast<int64_t>(own->size()) <= 1 + n * element / kStraightSegmentBytes;
       },
       prescale, finish, across);
 }
 
 void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Copy& fill, const Copy& drain,
-                     const Hook& prepare, const Hook& finish, const StartAcross& across) {
+                     const Direct& direct, const Hook& prepare, const Hook& finish, const StartAcross& across) {
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t per_chunk = chunk_ / element;
   const auto options = at::TensorOptions().dtype(dtype);
@@ -384,6 +401,7 @@ void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Co
     std::function<void()> wait;
   };
   std::optional<Travelling> travelling;
+  std::vector<Segment> own;
   auto arrive = [&](Travelling& chunk) {  // the job's sum is in: scale once, then everyone copies out
     if (chunk.wait) {
       auto wait = std::move(chunk.wait);
@@ -403,19 +421,41 @@ void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Co
       const int64_t n = std::min(per_chunk, total - offset);
       const int bank = bank_;
       bank_ ^= 1;
-      fill(Slot(bank, rank_), offset, n);
+      const int64_t share = (n + size_ - 1) / size_;
+      const int64_t begin = std::min(n, rank_ * share), end = std::min(n, begin + share);
+      // Note [Own share straight from the input]: where my share lies in my input (its
+      // segments), or else one segment: my slot's share.
+      const bool straight = end > begin && direct && !prepare && direct(offset + begin, end - begin, &own);
+      char* slot = Slot(bank, rank_);
+      if (!straight) {
+        fill(slot, offset, n);
+        own.assign(1, Segment{slot + begin * element, end - begin});
+      } else {
+        straight_shares_.fetch_add(1, std::memory_order_relaxed);
+        if (begin > 0) fill(slot, offset, begin);
+        if (n > end) fill(slot + end * element, offset + end, n - end);
+      }
       if (prepare) {
-        at::Tensor mine = at::from_blob(Slot(bank, rank_), {n}, options);
+        at::Tensor mine = at::from_blob(slot, {n}, options);
         prepare(mine);
       }
       Barrier();
-      const int64_t share = (n + size_ - 1) / size_;
-      const int64_t begin = std::min(n, rank_ * share), end = std::min(n, begin + share);
       if (end > begin) {
-        auto view = [&](char* area) { return at::from_blob(area + begin * element, {end - begin}, options); };
-        at::Tensor result = view(Result(bank));
-        Combine(result, view(Slot(bank, 0)), view(Slot(bank, 1)), op);
-        for (int r = 2; r < size_; ++r) Combine(result, result, view(Slot(bank, r)), op);
+        int64_t first = begin;  // the segment's first element in the chunk
+        for (const Segment& segment : own) {
+          auto view = [&](const char* area) {
+            return at::from_blob(const_cast<char*>(area) + first * element, {segment.n}, options);
+          };
+          auto source = [&](int r) {  // rank r's contribution to this segment
+            return r == rank_ ? at::from_blob(const_cast<char*>(segment.data), {segment.n}, options)
+                              : view(Slot(bank, r));
+          };
+          at::Tensor result = view(Result(bank));
+          Combine(result, source(0), source(1), op);
+          for (int r = 2; r < size_; ++r) Combine(result, result, source(r), op);
+          first += segment.n;
+        }
+        at::Tensor result = at::from_blob(Result(bank) + begin * element, {end - begin}, options);
         if (finish && !across) finish(result);
       }
       Barrier();

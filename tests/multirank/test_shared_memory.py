@@ -144,6 +144,68 @@ def test_switched_off_with_hvdlite_shared_memory_0():
                          env={"HVDLITE_SHARED_MEMORY": "0"}))
 
 
+def _own_share_layouts():
+    """Note [Own share straight from the input]: each rank reduces its share of a chunk straight
+    out of its own tensors where they hold it in a few segments, and copies it into its slot
+    where it is prescaled, cast on the wire or scattered over many small members. The ranks
+    choose alone (rank 0's share of "big then crumbs" lies in one tensor, the last rank's over
+    200 crumbs above the inline size), so every case checks the values against the reference, that every rank got
+    the same bits, and which choice this rank made (the channel counts straight chunks)."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    engine = _state.current().sets[0].engine
+    assert engine.shared_memory
+    engine._set_single_copy_min(0)  # the staged path whatever the size
+    per = CHUNK // 4  # float32 elements per chunk
+    last = rank == size - 1
+    cases = [  # name, shapes, dtype, op, in place, prescale, postscale, fp16 on the wire, straight chunks
+        ("one tensor", [(per // 4 + 3,)], torch.float32, hvd.Sum, True, 1.0, 1.0, False, 1),
+        ("one tensor, new output", [(per // 4 + 3,)], torch.float32, hvd.Average, False, 1.0, 1.0, False, 1),
+        ("wide members", [(20_001,), (35_000,), (18_003,), (40_000,), (27_777,)], torch.float64, hvd.Average,
+         False, 1.0, 1.0, False, 1),
+        ("big then crumbs", [(150_000,)] + [(300,)] * 200, torch.float32, hvd.Sum, True, 1.0, 1.0, False,
+         0 if last else 1),
+        ("across chunks", [(700_001,), (500_000,), (333_333,)], torch.float32, hvd.Sum, False, 1.0, 0.5, False, 2),
+        ("across chunks, max", [(700_001,), (500_000,), (333_333,)], torch.float32, hvd.Max, True, 1.0, 1.0,
+         False, 2),
+        ("prescaled", [(20_001,), (35_000,), (40_000,)], torch.float64, hvd.Sum, False, 2.0, 1.0, False, 0),
+        ("cast on the wire", [(60_000,), (70_001,)], torch.float32, hvd.Sum, False, 1.0, 1.0, True, 0),
+    ]
+    for i, (name, shapes, dtype, op, in_place, pre, post, wire, straight) in enumerate(cases):
+        group = [[rank_input(900 + 10 * i + j, r, s, dtype, op) for j, s in enumerate(shapes)] for r in range(size)]
+        mine = [t.clone() for t in group[rank]]
+        kwargs = dict(op=op, name=f"own.{i}", prescale_factor=pre, postscale_factor=post)
+        if wire:
+            kwargs["compression"] = hvd.Compression.fp16
+        before = engine._straight_shares
+        if in_place:
+            hvd.grouped_allreduce_(mine, **kwargs)
+            got = mine
+        else:
+            got = hvd.grouped_allreduce(mine, **kwargs)
+            for j, t in enumerate(mine):
+                assert torch.equal(t, group[rank][j]), f"{name}: the out-of-place allreduce changed input {j}"
+        chosen = engine._straight_shares - before
+        assert chosen == straight, f"{name}: rank {rank} reduced {chosen} chunks straight, expected {straight}"
+        if wire:
+            for j, t in enumerate(got):
+                want = reduce_reference([g[j].half() for g in group], op).float()
+                assert_close(t.half(), want.half(), torch.float16, f"{name} on rank {rank}, member {j}")
+        else:
+            assert_members_close(got, group, op, dtype, f"{name} on rank {rank}", pre, post)
+        flat = torch.cat([t.flatten() for t in got])
+        agreed = hvd.broadcast(flat, root_rank=0, name=f"own.check.{i}")
+        assert torch.equal(flat, agreed), f"{name}: rank {rank}'s result differs from rank 0's"
+    hvd.shutdown()
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_own_share_straight_from_the_input_or_through_the_slot(size):
+    assert all(run_ranks(size, __name__, "_own_share_layouts", timeout=120))
+    assert not _leftover_segments()
+
+
 def _rounds_nobody_waits_for():
     """Rounds that run while no caller waits on a handle: their barrier waits go to sleep at
     once instead of yielding (Note [Yield only while a caller waits]). Ranks arrive skewed, so
