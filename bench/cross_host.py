@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 import collectives  # noqa: E402
+import linkprofile  # noqa: E402
 import hvdlite as hvd  # noqa: E402
 from hvdlite import ops  # noqa: E402
 
@@ -81,12 +82,34 @@ def tcp_ring(rank, size, streams=4):
     return run
 
 
+def profile(sampler, limits, rate_bits, hosts):
+    """Prints, for every host (its first rank's sampler), where each method's median call went."""
+    mine = linkprofile.summarize(sampler.stop(), sampler.windows[len(limits):], rate_bits)  # past the warm-up
+    everyone = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank(), mine))
+    if hvd.rank() != 0:
+        return
+    for host, local, parts in sorted(everyone):
+        if local != 0:
+            continue
+        print(f"\nwhere the time goes on host {host} of {hosts} (medians in ms; bytes sent by this host, headers "
+              f"and acknowledgements included; bench/linkprofile.py)")
+        print(f"  {'method':<58}{'call':>8}{'limit':>8}{'overhead':>10}{'start-up':>10}{'stalls':>8}{'tail':>8}")
+        for name, p in parts.items():
+            total = p["start-up"] + p["busy"] + p["stalls"] + p["tail"]
+            extra = p["busy"] - limits[name]
+            print(f"  {name[:57]:<58}{total * 1e3:>8.1f}{limits[name] * 1e3:>8.1f}{extra * 1e3:>10.1f}"
+                  f"{p['start-up'] * 1e3:>10.2f}{p['stalls'] * 1e3:>8.1f}{p['tail'] * 1e3:>8.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
     parser.add_argument("--rate-bits", type=float, default=float(os.environ.get("BENCH_RATE_BITS", "0")),
                         help="the link's rate in bit/s, for the link-rate limit (0: not reported)")
+    parser.add_argument("--link-profile", action="store_true",
+                        help="also sample this host's transmit counter and split each method's time into "
+                             "start-up, bytes on the link, stalls and tail (bench/linkprofile.py)")
     args = parser.parse_args()
     rank, size = _common.setup()
     shapes = _common.resnet50_shapes()
@@ -126,6 +149,10 @@ def main():
     if hvd.size() == hosts:  # one rank per host: the ranks' ring is the hosts' ring
         send = tcp_ring(rank, size)
         methods[TCP] = lambda: send(ring_bytes)
+    sampler = None
+    if args.link_profile and args.rate_bits > 0:
+        sampler = linkprofile.LinkSampler()
+        methods = {name: sampler.wrap(name, fn) for name, fn in methods.items()}
     times = _common.interleaved(methods, args.rounds, warmup=1)
     mode = "hierarchical" if os.environ.get("HVDLITE_HIERARCHICAL_ALLREDUCE") == "1" else "flat"
     title = (f"ResNet-50 gradients, {size} ranks on {hosts} hosts, hvdlite {mode} "
@@ -143,6 +170,10 @@ def main():
                         NATIVE_FP16: times[NATIVE_FP16]},
                        LIMIT_FP16, {fp16: 1.10, IN_PLACE_FP16: 1.10},
                        args.json)
+    if sampler is not None:
+        halved = (fp16, IN_PLACE_FP16, NATIVE_FP16)
+        limits = {name: limit / 2 if name in halved else limit for name in methods}
+        profile(sampler, limits, args.rate_bits, hosts)
     hvd.shutdown()
 
 

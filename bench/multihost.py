@@ -48,6 +48,8 @@ def main():
     parser.add_argument("--hierarchical", action="store_true",
                         help="run every job twice: flat, then with --hierarchical-allreduce "
                              "(Note [Hierarchical allreduce]; use with --slots 2 or more)")
+    parser.add_argument("--link-profile", action="store_true",
+                        help="cross_host: also split each method's time on the link (bench/linkprofile.py)")
     args = parser.parse_args()
     reason = unavailable()
     if reason:
@@ -63,7 +65,8 @@ def main():
         launch = [sys.executable, "-m", "hvdlite.runner.launch", "--ssh-config-file", hosts.ssh_config,
                   "-H", ",".join(f"{name}:{args.slots}" for name in names)]
         jobs = [
-            [sys.executable, "bench/cross_host.py", "--rounds", str(args.rounds)],
+            [sys.executable, "bench/cross_host.py", "--rounds", str(args.rounds)] +
+            (["--link-profile"] if args.link_profile else []),
             [sys.executable, "bench/training.py", "--models", "mlp", "--rounds", str(max(3, args.rounds - 2)),
              "--steps-per-round", "2", "--no-local", "--no-breakdown"],
             [sys.executable, "bench/powersgd.py", "--rounds", str(max(3, args.rounds - 2))],

@@ -25,7 +25,9 @@ class CollectiveBackend {
   void Allreduce(at::Tensor& tensor, ReduceOp op) { StartAllreduce(tensor, op)(); }
   // Starts an allreduce and returns the function that waits for it (and throws its failure),
   // so that several backends can run parts of one buffer at once (Note [CPU channels]).
-  virtual std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp op) = 0;
+  // `done`, where given, is set to a function that says without blocking whether it ended.
+  virtual std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp op,
+                                               std::function<bool()>* done = nullptr) = 0;
   virtual void Broadcast(at::Tensor& tensor, int root) = 0;
   // outputs[r] receives rank r's input; all have the input's size.
   virtual void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) = 0;

@@ -145,41 +145,60 @@ class GlooChannelsRoute : public CpuRoute {
     }
     const int64_t per = std::max<int64_t>(kStripeBytes / element, (n + width * kChunksPerChannel - 1) /
                                                                        (width * kChunksPerChannel));
+    // The first chunk is a quarter of the others: the link idles until it is copied in.
     std::vector<at::Tensor> chunks;
-    for (int64_t offset = 0; offset < n; offset += per) {
-      chunks.push_back(buffer.narrow(0, offset, std::min(per, n - offset)));
+    std::vector<int64_t> begins;
+    for (int64_t offset = 0; offset < n;) {
+      const int64_t length = std::min(chunks.empty() ? per / 4 : per, n - offset);
+      begins.push_back(offset);
+      chunks.push_back(buffer.narrow(0, offset, length));
+      offset += length;
     }
     const int64_t count = static_cast<int64_t>(chunks.size());
     std::vector<std::function<void()>> waits(count);
+    std::vector<std::function<bool()>> done(count);
     std::exception_ptr failure;
     auto start = [&](int64_t c) {
       if (failure) return;
       try {
-        waits[c] = channels_[c % width]->StartAllreduce(chunks[c], op);
+        waits[c] = channels_[c % width]->StartAllreduce(chunks[c], op, &done[c]);
       } catch (...) {
         failure = std::current_exception();
       }
     };
+    // Waits for chunk c (once) and starts the next chunk of its channel.
+    auto reap = [&](int64_t c) {
+      if (!waits[c]) return;
+      auto wait = std::move(waits[c]);
+      waits[c] = nullptr;
+      try {
+        wait();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+      if (c + width < count) start(c + width);  // its channel is free
+    };
     try {
       for (int64_t c = 0; c < count; ++c) {  // the first chunk per channel starts as it is filled
-        copy_in(c * per, c * per + chunks[c].numel());
+        copy_in(begins[c], begins[c] + chunks[c].numel());
         if (c < width) start(c);
       }
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }
-    for (int64_t c = 0; c < count; ++c) {  // every started chunk is waited for before anything is thrown
-      if (!waits[c]) continue;
-      try {
-        waits[c]();
-      } catch (...) {
-        if (!failure) failure = std::current_exception();
+    // Every started chunk is waited for before anything is thrown. Chunks are copied out in
+    // order, but a channel whose chunk ended while an earlier one was still travelling starts
+    // its next chunk before the copy out, not after it (Note [Pipelined fusion over channels]).
+    for (int64_t c = 0; c < count; ++c) {
+      const bool started = waits[c] || done[c];
+      reap(c);
+      for (int64_t later = c + 1; later < std::min(count, c + width); ++later) {
+        if (waits[later] && done[later] && done[later]()) reap(later);
       }
-      if (c + width < count) start(c + width);  // its channel is free
-      if (failure) continue;
+      if (failure || !started) continue;
       try {
         finish(chunks[c]);
-        copy_out(c * per, c * per + chunks[c].numel());
+        copy_out(begins[c], begins[c] + chunks[c].numel());
       } catch (...) {
         failure = std::current_exception();
       }
