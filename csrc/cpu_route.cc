@@ -101,6 +101,7 @@ class GlooChannelsRoute : public CpuRoute {
 
   static constexpr int64_t kStripeBytes = 8LL << 20;
   static constexpr int64_t kChunksPerChannel = 4;
+  static constexpr int64_t kPollBytes = 1LL << 20;  // copied out between looks for ended chunks
 
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
     const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
@@ -157,16 +158,20 @@ class GlooChannelsRoute : public CpuRoute {
     const int64_t count = static_cast<int64_t>(chunks.size());
     std::vector<std::function<void()>> waits(count);
     std::vector<std::function<bool()>> done(count);
+    std::vector<char> started(count, 0), ended(count, 0);
+    int64_t copied = 0;  // chunks copied in
     std::exception_ptr failure;
+    // Starts chunk c once it is copied in and its channel's chunk before it has ended.
     auto start = [&](int64_t c) {
-      if (failure) return;
+      if (failure || c >= count || started[c] || c >= copied || (c >= width && !ended[c - width])) return;
+      started[c] = 1;
       try {
         waits[c] = channels_[c % width]->StartAllreduce(chunks[c], op, &done[c]);
       } catch (...) {
         failure = std::current_exception();
       }
     };
-    // Waits for chunk c (once) and starts the next chunk of its channel.
+    // Waits for chunk c (once, where it started) and starts the next chunk of its channel.
     auto reap = [&](int64_t c) {
       if (!waits[c]) return;
       auto wait = std::move(waits[c]);
@@ -176,29 +181,39 @@ class GlooChannelsRoute : public CpuRoute {
       } catch (...) {
         if (!failure) failure = std::current_exception();
       }
-      if (c + width < count) start(c + width);  // its channel is free
+      ended[c] = 1;
+      start(c + width);
+    };
+    // Reaps, without blocking, every chunk in flight that has ended: a channel starts its next
+    // chunk while this thread copies, not after.
+    auto poll = [&] {
+      for (int64_t c = 0; c < count; ++c) {
+        if (waits[c] && done[c] && done[c]()) reap(c);
+      }
     };
     try {
       for (int64_t c = 0; c < count; ++c) {  // the first chunk per channel starts as it is filled
         copy_in(begins[c], begins[c] + chunks[c].numel());
-        if (c < width) start(c);
+        copied = c + 1;
+        start(c);
+        poll();
       }
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }
     // Every started chunk is waited for before anything is thrown. Chunks are copied out in
-    // order, but a channel whose chunk ended while an earlier one was still travelling starts
-    // its next chunk before the copy out, not after it (Note [Pipelined fusion over channels]).
+    // order, a step at a time, looking for ended chunks between steps.
+    const int64_t step = std::max<int64_t>(1, kPollBytes / element);
     for (int64_t c = 0; c < count; ++c) {
-      const bool started = waits[c] || done[c];
       reap(c);
-      for (int64_t later = c + 1; later < std::min(count, c + width); ++later) {
-        if (waits[later] && done[later] && done[later]()) reap(later);
-      }
-      if (failure || !started) continue;
+      poll();
+      if (failure || !ended[c]) continue;
       try {
         finish(chunks[c]);
-        copy_out(begins[c], begins[c] + chunks[c].numel());
+        for (int64_t at = begins[c], stop = begins[c] + chunks[c].numel(); at < stop; at += step) {
+          copy_out(at, std::min(stop, at + step));
+          poll();
+        }
       } catch (...) {
         failure = std::current_exception();
       }
