@@ -49,7 +49,11 @@
 // in while it travels, and each chunk is finished and copied out as soon as it is reduced,
 // while the next ones travel. Every chunk is copied in before the first is copied out, so a
 // batch whose members share memory stays exact. The cut depends only on the element count and
-// the channel count.
+// the channel count. The link idles until the first chunk is copied in, so it is a quarter of
+// the others; and chunks are copied out in order, but a channel whose chunk ended starts its
+// next one at once: the thread looks for ended chunks (Work::isCompleted) after every chunk it
+// copies in and every megabyte it copies out. Measured with bench/linkprofile.py (102 MB over
+// 1 Gbit/s, MTU 9000), the link's idle time inside a call went from 12.6-15.7 ms to 7-14 ms.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -21,8 +21,9 @@
 // lies in the batch's dtype, in segments of 64 KB or more on average (a fused batch's
 // members), and needs no prescale; else it copies it in as well: a choice each rank makes
 // alone, since peers read the same slots either way. For 2 ranks that saves half of step 1,
-// a fifth of the bytes each rank moves (1 MB in bench/one_host.py: 0.78-1.01x the floor
-// against 1.02-1.30x); the values summed, and their order, are the same.
+// a fifth of the bytes each rank moves (1 MB in bench/one_host.py, builds alternated: 0.97,
+// 0.82 and 0.88x the floor against 1.09, 0.97 and 1.04x; 16 and 64 MB staged: 0.68-0.77x
+// against 0.90-1.02x); the values summed, and their order, are the same.
 // Step 3 of chunk k needs no third barrier: chunk k+2 reuses the bank, and every rank writes
 // it only after the first barrier of chunk k+1, which no rank passes before all have left
 // chunk k. Every rank sums in the same order (rank 0's value first), and every rank copies the
@@ -83,6 +84,9 @@
 // into a cached block where memcpy moves ~25 GB/s, so below kSingleCopyMinBytes (8 MB, where
 // the two crossed in bench/one_host.py: 4 MB 0.96 against 0.91 ms staged, 8 MB 1.73 against
 // 1.87) the staged path, whose slots stay in cache and which makes no system calls, is faster.
+// Since each rank reads its own share in place (Note [Own share straight from the input]) the
+// two come close from 8 to 32 MB (8 MB 0.65-0.71x the floor single copy, 0.75-0.76x staged;
+// 32 MB 0.63-0.64x against 0.75-0.81x), so the threshold stays.
 //
 // Whether the job may use it is checked once, when the channel opens (hvdlite/_runtime/
 // groups.py): every rank publishes the address of a probe word (ProbeAddress), every rank reads
