@@ -188,7 +188,12 @@ class GlooChannelsRoute : public CpuRoute {
     // chunk while this thread copies, not after.
     auto poll = [&] {
       for (int64_t c = 0; c < count; ++c) {
-        if (waits[c] && done[c] && done[c]()) reap(c);
+        bool ended_now = false;
+        try {
+          ended_now = waits[c] && done[c] && done[c]();
+        } catch (...) {  // the probe failed: the in-order wait will say why
+        }
+        if (ended_now) reap(c);
       }
     };
     try {
