@@ -40,6 +40,7 @@ LIMIT_FP16 = "link-rate limit, fp16 (computed)"
 TCP = "TCP ring bound (plain sockets, 4 streams)"
 IN_PLACE_FP16 = "hvdlite grouped in place, fp16 on the wire (DistributedOptimizer's path)"
 NATIVE_FP16 = "hvdlite grouped in place, float16 tensors (the same bytes, no cast)"
+WARMUP = 1  # untimed calls of every method before the timed rounds
 
 
 def tcp_ring(rank, size, streams=4):
@@ -84,7 +85,8 @@ def tcp_ring(rank, size, streams=4):
 
 def profile(sampler, limits, rate_bits, hosts):
     """Prints, for every host (its first rank's sampler), where each method's median call went."""
-    mine = linkprofile.summarize(sampler.stop(), sampler.windows[len(limits):], rate_bits)  # past the warm-up
+    calls = sampler.windows[WARMUP * len(limits):]  # every method ran WARMUP times first
+    mine = linkprofile.summarize(sampler.stop(), calls, rate_bits)
     everyone = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank(), mine))
     if hvd.rank() != 0:
         return
@@ -150,7 +152,7 @@ def main():
     if args.link_profile and args.rate_bits > 0:
         sampler = linkprofile.LinkSampler()
         methods = {name: sampler.wrap(name, fn) for name, fn in methods.items()}
-    times = _common.interleaved(methods, args.rounds, warmup=1)
+    times = _common.interleaved(methods, args.rounds, warmup=WARMUP)
     mode = "hierarchical" if os.environ.get("HVDLITE_HIERARCHICAL_ALLREDUCE") == "1" else "flat"
     title = (f"ResNet-50 gradients, {size} ranks on {hosts} hosts, hvdlite {mode} "
              f"({os.environ.get('BENCH_LINK', 'unshaped')})")

@@ -17,6 +17,7 @@ tests/multihost/hosts.py) lets a call that starts after an idle gap send about 2
 faster than the rate, so stalls can come out slightly negative.
 """
 import os
+import statistics
 import struct
 import subprocess
 import sys
@@ -114,7 +115,6 @@ def breakdown(samples, begin, end, rate_bits):
 
 def summarize(samples, windows, rate_bits):
     """{method: {part: median seconds}} over the method's calls."""
-    import statistics
     parts = {}
     for name, begin, end in windows:
         parts.setdefault(name, []).append(breakdown(samples, begin, end, rate_bits))
