@@ -136,12 +136,11 @@ class GlooChannelsRoute : public CpuRoute {
   }
 
   // Note [Pipelined fusion over channels] (cpu_route.h)
-  void AllreduceStaged(at::Tensor& buffer, ReduceOp op, const Range& copy_in, const Hook& finish,
-                       const Range& copy_out) override {
+  void AllreduceStaged(at::Tensor& buffer, ReduceOp op, const Staging& staging) override {
     const int64_t n = buffer.numel(), element = static_cast<int64_t>(buffer.element_size());
     const int64_t width = static_cast<int64_t>(channels_.size());
     if (width < 2 || n * element < 2 * kStripeBytes) {
-      CpuRoute::AllreduceStaged(buffer, op, copy_in, finish, copy_out);
+      CpuRoute::AllreduceStaged(buffer, op, staging);
       return;
     }
     const int64_t per = std::max<int64_t>(kStripeBytes / element, (n + width * kChunksPerChannel - 1) /
@@ -184,21 +183,24 @@ class GlooChannelsRoute : public CpuRoute {
       ended[c] = 1;
       start(c + width);
     };
+    // Whether chunk c has ended, without blocking (false where the backend cannot tell).
+    auto ended_yet = [&](int64_t c) {
+      try {
+        return waits[c] && done[c] && done[c]();
+      } catch (...) {  // the probe failed: the in-order wait will say why
+        return false;
+      }
+    };
     // Reaps, without blocking, every chunk in flight that has ended: a channel starts its next
     // chunk while this thread copies, not after.
     auto poll = [&] {
       for (int64_t c = 0; c < count; ++c) {
-        bool ended_now = false;
-        try {
-          ended_now = waits[c] && done[c] && done[c]();
-        } catch (...) {  // the probe failed: the in-order wait will say why
-        }
-        if (ended_now) reap(c);
+        if (ended_yet(c)) reap(c);
       }
     };
     try {
       for (int64_t c = 0; c < count; ++c) {  // the first chunk per channel starts as it is filled
-        copy_in(begins[c], begins[c] + chunks[c].numel());
+        staging.copy_in(begins[c], begins[c] + chunks[c].numel());
         copied = c + 1;
         start(c);
         poll();
@@ -209,14 +211,26 @@ class GlooChannelsRoute : public CpuRoute {
     // Every started chunk is waited for before anything is thrown. Chunks are copied out in
     // order, a step at a time, looking for ended chunks between steps.
     const int64_t step = std::max<int64_t>(1, kPollBytes / element);
+    int64_t mapped = 0;  // Note [Prefaulting outputs while the link works]: outputs before it are mapped or written
     for (int64_t c = 0; c < count; ++c) {
+      mapped = std::max(mapped, begins[c]);
+      try {
+        while (staging.prefault && !failure && mapped < n && waits[c] && !ended_yet(c)) {
+          const int64_t to = std::min(n, mapped + step);
+          staging.prefault(mapped, to);
+          mapped = to;
+          poll();
+        }
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
       reap(c);
       poll();
       if (failure || !ended[c]) continue;
       try {
-        finish(chunks[c]);
+        staging.finish(chunks[c]);
         for (int64_t at = begins[c], stop = begins[c] + chunks[c].numel(); at < stop; at += step) {
-          copy_out(at, std::min(stop, at + step));
+          staging.copy_out(at, std::min(stop, at + step));
           poll();
         }
       } catch (...) {

@@ -111,8 +111,20 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     auto copy_out = [&](int64_t begin, int64_t stop) {
       each(begin, stop, [&](Entry& e, int64_t at, int64_t from, int64_t n) { CopyRange(buffer, from, e.output, at, n); });
     };
+    CpuRoute::Staging staging{copy_in, finish, copy_out, {}};
+    // Note [Prefaulting outputs while the link works] (cpu_route.h): outputs of their own only.
+    auto own_output = [](const Entry& e) { return !e.output.is_alias_of(e.input); };
+    if (std::any_of(locals.begin(), locals.end(), [&](const Local& l) { return own_output(l.entry); })) {
+      staging.prefault = [&](int64_t begin, int64_t stop) {
+        each(begin, stop, [&](Entry& e, int64_t at, int64_t, int64_t n) {
+          if (!own_output(e)) return;
+          const int64_t size = static_cast<int64_t>(e.output.element_size());
+          PrefaultForWrite(static_cast<char*>(e.output.data_ptr()) + at * size, n * size);
+        });
+      };
+    }
     CollectiveStarts();
-    cpu_route_->AllreduceStaged(buffer, wire_op, copy_in, finish, copy_out);
+    cpu_route_->AllreduceStaged(buffer, wire_op, staging);
     CollectiveEnds();
     return;
   }

@@ -2,7 +2,15 @@
 
 #include <ATen/Functions.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstring>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
 
 namespace hvdlite {
 
@@ -68,6 +76,31 @@ void CopyRange(const at::Tensor& src, int64_t from, const at::Tensor& dst, int64
                src.scalar_type(),
                static_cast<char*>(dst.data_ptr()) + to * static_cast<int64_t>(dst.element_size()),
                dst.scalar_type(), n);
+}
+
+namespace {
+
+// Whether this kernel knows MADV_POPULATE_WRITE, asked once on a page of our own.
+bool CanPopulateWrite() {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  void* probe = mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (probe == MAP_FAILED) return false;
+  const bool known = madvise(probe, page, MADV_POPULATE_WRITE) == 0;
+  munmap(probe, page);
+  return known;
+}
+
+}  // namespace
+
+void PrefaultForWrite(void* data, int64_t bytes) {
+  static const bool supported = CanPopulateWrite();
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  if (bytes <= 0 || !supported) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(bytes)) & ~(page - 1);
+  // Only whole pages inside the range, and the advice keeps what they hold. A failure (a
+  // mapping that cannot be written ahead) leaves the copy to fault the pages in, as before.
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
 }
 
 void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {

@@ -24,6 +24,10 @@ bool Memcpyable(const at::Tensor& t);
 // dtype may differ from the tensor's (Note [Casting on the wire]): the copy then casts.
 void CopyIn(at::Tensor& buffer, int64_t offset, const at::Tensor& src);
 void CopyOut(const at::Tensor& buffer, int64_t offset, at::Tensor& dst);
+// Note [Prefaulting outputs while the link works] (cpu_route.h): maps the whole pages of
+// [data, data + bytes) for writing without changing what they hold; does nothing where the
+// kernel cannot (before Linux 5.14).
+void PrefaultForWrite(void* data, int64_t bytes);
 // Copies n elements from CPU memory `src` of dtype `from` to `dst` of dtype `to`: a memcpy, or
 // a cast where the dtypes differ (Note [Casting on the wire] in executor.h).
 void CopyElements(const void* src, c10::ScalarType from, void* dst, c10::ScalarType to, int64_t n);

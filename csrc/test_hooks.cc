@@ -1,11 +1,19 @@
-// Test hooks: the core's pure logic (controller, planner, message encoding, autotuner) driven
-// from Python in one process, for tests/unit. Nothing here is used by a running job.
+// Test hooks: the core's pure logic (controller, planner, message encoding, autotuner, the
+// channels' staged schedule) driven from Python in one process, for tests/unit. Nothing here
+// is used by a running job.
 #include "test_hooks.h"
 
 #include <pybind11/stl.h>
 
+#include <ATen/ops/empty.h>
+
+#include <memory>
+#include <stdexcept>
+
 #include "autotune.h"
+#include "backend.h"
 #include "controller.h"
+#include "cpu_route.h"
 #include "fusion.h"
 #include "message.h"
 #include "status_error.h"
@@ -166,6 +174,69 @@ py::dict DecodeMessage(const py::bytes& data) {
   return out;
 }
 
+// Note [Pipelined fusion over channels]: a channel that moves no data and records what the
+// route asks of it. The k-th chunk started (on any channel) says it has ended after
+// probes[k % probes.size()] looks; its wait always ends it.
+class ScriptedChannel : public CollectiveBackend {
+ public:
+  ScriptedChannel(int index, const std::vector<int64_t>& probes, int64_t& started, const at::Tensor& buffer,
+                  py::list& events)
+      : index_(index), probes_(probes), started_(started), base_(static_cast<const char*>(buffer.data_ptr())),
+        events_(events) {}
+  std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp, std::function<bool()>* done) override {
+    const int64_t size = static_cast<int64_t>(tensor.element_size());
+    const int64_t begin = (static_cast<const char*>(tensor.data_ptr()) - base_) / size;
+    const int64_t end = begin + tensor.numel();
+    events_.append(py::make_tuple("start", index_, begin, end));
+    auto left = std::make_shared<int64_t>(probes_[started_++ % probes_.size()]);
+    if (done) {
+      *done = [this, left, begin, end] {
+        const bool ended = (*left)-- <= 0;
+        events_.append(py::make_tuple("probe", index_, begin, end, ended));
+        return ended;
+      };
+    }
+    return [this, begin, end] { events_.append(py::make_tuple("end", index_, begin, end)); };
+  }
+  void Broadcast(at::Tensor&, int) override { throw std::logic_error("not scripted"); }
+  void Allgather(at::Tensor&, std::vector<at::Tensor>&) override { throw std::logic_error("not scripted"); }
+  void Alltoall(at::Tensor&, at::Tensor&, const std::vector<int64_t>&, const std::vector<int64_t>&) override {
+    throw std::logic_error("not scripted");
+  }
+  std::string name() const override { return "scripted channel " + std::to_string(index_); }
+
+ private:
+  int index_;
+  const std::vector<int64_t>& probes_;
+  int64_t& started_;
+  const char* base_;
+  py::list& events_;
+};
+
+// The events of one staged allreduce of `elements` float32 over `channels` scripted channels:
+// ("in" | "out" | "prefault", begin, end) from the copies, ("start" | "end", channel, begin,
+// end) and ("probe", channel, begin, end, ended) from the channels, in the order they happened.
+py::list StagedSchedule(int64_t elements, int channels, const std::vector<int64_t>& probes, bool prefault) {
+  if (probes.empty()) throw std::invalid_argument("probes: at least one count");
+  at::Tensor buffer = at::empty({elements}, at::kFloat);
+  py::list events;
+  int64_t started = 0;
+  std::vector<std::unique_ptr<ScriptedChannel>> owned;
+  CpuRouteInputs inputs;
+  for (int i = 0; i < channels; ++i) {
+    owned.push_back(std::make_unique<ScriptedChannel>(i, probes, started, buffer, events));
+    inputs.channels.push_back(owned.back().get());
+  }
+  std::unique_ptr<CpuRoute> route = ChooseCpuRoute(inputs);
+  auto record = [&events](const char* what) {
+    return [&events, what](int64_t begin, int64_t end) { events.append(py::make_tuple(what, begin, end)); };
+  };
+  CpuRoute::Staging staging{record("in"), [](at::Tensor&) {}, record("out"),
+                            prefault ? CpuRoute::Range(record("prefault")) : CpuRoute::Range()};
+  route->AllreduceStaged(buffer, ReduceOp::kSum, staging);
+  return events;
+}
+
 }  // namespace
 
 void DefineTestHooks(py::module_& m) {
@@ -202,6 +273,8 @@ void DefineTestHooks(py::module_& m) {
   m.def("_plan", &Plan);
   m.def("_encode_message", &EncodeMessage);
   m.def("_decode_message", &DecodeMessage);
+  m.def("_staged_schedule", &StagedSchedule, py::arg("elements"), py::arg("channels"), py::arg("probes"),
+        py::arg("prefault"));
 }
 
 }  // namespace hvdlite
