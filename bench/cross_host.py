@@ -4,7 +4,8 @@
 
 ResNet-50's gradient shapes allreduced across hosts, in one job: the flat bound (copy, one
 torch.distributed allreduce, copy), torch.distributed async per tensor, hvdlite grouped, and
-hvdlite grouped with fp16 compression (half the bytes on the wire; its result is checked
+hvdlite grouped, the same bytes as one tensor out of place (hvd.allreduce), and hvdlite
+grouped with fp16 compression (half the bytes on the wire; its result is checked
 against the fp32 sum with fp16's tolerance), out of place as hvd.grouped_allreduce returns it
 and in place as DistributedOptimizer reduces gradients (the engine casts as it copies, Note
 [Casting on the wire] in csrc/executor.h). Every method's result is checked before timing.
@@ -40,6 +41,7 @@ LIMIT_FP16 = "link-rate limit, fp16 (computed)"
 TCP = "TCP ring bound (plain sockets, 4 streams)"
 IN_PLACE_FP16 = "hvdlite grouped in place, fp16 on the wire (DistributedOptimizer's path)"
 NATIVE_FP16 = "hvdlite grouped in place, float16 tensors (the same bytes, no cast)"
+ONE = "hvdlite one tensor of the same bytes, out of place (hvd.allreduce)"
 WARMUP = 1  # untimed calls of every method before the timed rounds
 
 
@@ -143,6 +145,9 @@ def main():
     methods[IN_PLACE_FP16] = hvd_in_place_fp16
     halves = [t.half() for t in tensors]
     methods[NATIVE_FP16] = lambda: hvd.grouped_allreduce_(halves, name="fp16.native", op=hvd.Sum)
+    flat = torch.full((sum(t.numel() for t in tensors),), float(rank + 1))
+    assert torch.equal(hvd.allreduce(flat, name="one", op=hvd.Sum), torch.full_like(flat, float(want)))
+    methods[ONE] = lambda: hvd.allreduce(flat, name="one", op=hvd.Sum)
     hosts = hvd.cross_size()
     ring_bytes = 2 * (hosts - 1) * sum(t.numel() * 4 for t in tensors) // hosts  # per host, fp32
     if hvd.size() == hosts:  # one rank per host: the ranks' ring is the hosts' ring

@@ -54,6 +54,10 @@
 // next one at once: the thread looks for ended chunks (Work::isCompleted) after every chunk it
 // copies in and every megabyte it copies out. Measured with bench/linkprofile.py (102 MB over
 // 1 Gbit/s, MTU 9000), the link's idle time inside a call went from 12.6-15.7 ms to 7-14 ms.
+// A lone tensor reduced out of place takes the same way with its output as the buffer: the
+// copy from its input is the copy in, and nothing is copied out. It used to be copied whole
+// into its new output before the first byte left: hvd.allreduce of 102 MB across those hosts
+// went from 896 ms to 830 ms.
 //
 // Note [Prefaulting outputs while the link works]
 // An out-of-place allreduce writes its results into fresh tensors, whose pages the kernel maps

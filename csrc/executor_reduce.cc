@@ -69,9 +69,26 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   }
   if (!scatter && !casts && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
     // One tensor: reduce straight in the output, no fusion buffer.
+    at::Tensor flat = first.output.view({-1});
+    if (first.input.device().is_cpu() && !first.output.is_alias_of(first.input) && Memcpyable(first.input) &&
+        Memcpyable(first.output)) {
+      // Out of place: the route fills the output from the input chunk by chunk while earlier
+      // chunks travel (Note [Pipelined fusion over channels] in cpu_route.h), rather than
+      // copying it whole, page faults included, before the first byte leaves.
+      const double prescale = request.prescale;
+      CpuRoute::Staging staging{[&](int64_t begin, int64_t stop) {
+                                  CopyRange(first.input, begin, flat, begin, stop - begin);
+                                  at::Tensor part = flat.narrow(0, begin, stop - begin);
+                                  Scale(part, prescale);
+                                },
+                                finish, [](int64_t, int64_t) {}, {}};
+      CollectiveStarts();
+      cpu_route_->AllreduceStaged(flat, wire_op, staging);
+      CollectiveEnds();
+      return;
+    }
     if (!first.output.is_same(first.input)) first.output.copy_(first.input);
     Scale(first.output, request.prescale);
-    at::Tensor flat = first.output.view({-1});
     CollectiveStarts();
     AllreduceFlat(flat, wire_op, backend, finish);
     CollectiveEnds();

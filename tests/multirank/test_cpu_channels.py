@@ -35,6 +35,12 @@ def _striped_allreduces():
         expected = reduce_reference(inputs, op)
         what = f"allreduce of {n} {dtype} (op {op}) on rank {rank}"
         assert_close(hvd.allreduce(inputs[rank], op=op, name=f"big.{seed}"), expected, dtype, what)
+    # one tensor out of place, filled chunk by chunk while earlier chunks travel, scaled on the way
+    by_rank = [[rank_input(6, r, (17 * MIB // 4 + 3,), torch.float32)] for r in range(size)]
+    got = [hvd.allreduce(by_rank[rank][0], op=hvd.Average, name="big.scaled", prescale_factor=0.5,
+                         postscale_factor=3.0)]
+    assert_members_close(got, by_rank, hvd.Average, torch.float32, f"scaled allreduce on rank {rank}", 0.5, 3.0)
+    assert torch.equal(by_rank[rank][0], rank_input(6, rank, (17 * MIB // 4 + 3,), torch.float32))  # input kept
     # fused: many tensors whose buffer is striped, in place, async
     shapes = [(1000, 1000), (3, 1_500_000), (7,), (2_000_001,)]
     inputs = [[rank_input(10 + i, r, s, torch.float32) for i, s in enumerate(shapes)] for r in range(size)]
