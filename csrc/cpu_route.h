@@ -54,10 +54,13 @@
 // next one at once: the thread looks for ended chunks (Work::isCompleted) after every chunk it
 // copies in and every megabyte it copies out. Measured with bench/linkprofile.py (102 MB over
 // 1 Gbit/s, MTU 9000), the link's idle time inside a call went from 12.6-15.7 ms to 7-14 ms.
-// A lone tensor reduced out of place takes the same way with its output as the buffer: the
-// copy from its input is the copy in, and nothing is copied out. It used to be copied whole
-// into its new output before the first byte left: hvd.allreduce of 102 MB across those hosts
-// went from 896 ms to 830 ms.
+// Every CPU reduction on this route goes through AllreduceStaged, so that its cut depends on
+// nothing a rank decides alone: a lone tensor reduces in its output, which out of place is
+// filled from the input as the copy in (nothing is copied out; it used to be copied whole
+// before the first byte left: hvd.allreduce of 102 MB across those hosts went from 896 ms to
+// 830 ms), and a batch with a member that is no memcpy on this rank is filled whole first.
+// Ranks may so reduce in place, out of place or from a joined rank's neutral input, with
+// different layouts, and still send the same chunks on every channel.
 //
 // Note [Prefaulting outputs while the link works]
 // An out-of-place allreduce writes its results into fresh tensors, whose pages the kernel maps

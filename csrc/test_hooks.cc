@@ -218,6 +218,7 @@ class ScriptedChannel : public CollectiveBackend {
 // end) and ("probe", channel, begin, end, ended) from the channels, in the order they happened.
 py::list StagedSchedule(int64_t elements, int channels, const std::vector<int64_t>& probes, bool prefault) {
   if (probes.empty()) throw std::invalid_argument("probes: at least one count");
+  if (channels < 1) throw std::invalid_argument("channels: at least one");
   at::Tensor buffer = at::empty({elements}, at::kFloat);
   py::list events;
   int64_t started = 0;

@@ -71,6 +71,39 @@ def _striped_allreduces():
     return True
 
 
+def _ranks_that_fill_their_buffers_differently():
+    """The channels cut a reduction by its element count alone (Note [Pipelined fusion over
+    channels]), so ranks whose tensors take different local ways into it still send the same
+    chunks: in place on rank 0 and out of place elsewhere, a member that is no memcpy on rank 0
+    only, and a joined rank's neutral input."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    n = 17 * MIB // 4 + 3
+    inputs = [rank_input(40, r, (n,), torch.float32) for r in range(size)]
+    mine = inputs[rank].clone()
+    got = (hvd.allreduce_ if rank == 0 else hvd.allreduce)(mine, op=hvd.Sum, name="mixed.lone")
+    assert_close(got, reduce_reference(inputs, hvd.Sum), torch.float32, f"lone tensor, rank {rank}")
+    by_rank = [[rank_input(41, r, (2048, 2050), torch.float32), rank_input(42, r, (3 * MIB,), torch.float32)]
+               for r in range(size)]
+    mine = [t.t().contiguous().t() if rank == 0 and i == 0 else t for i, t in enumerate(by_rank[rank])]
+    assert not mine[0].is_contiguous() if rank == 0 else mine[0].is_contiguous()
+    got = hvd.grouped_allreduce(mine, op=hvd.Sum, name="mixed.batch")
+    assert_members_close(got, by_rank, hvd.Sum, torch.float32, f"batch, rank {rank}")
+    if rank == size - 1:
+        hvd.join()
+    else:
+        got = hvd.allreduce(inputs[rank], op=hvd.Sum, name="mixed.joined")
+        assert_close(got, reduce_reference(inputs[:-1], hvd.Sum), torch.float32, f"beside a joined rank, rank {rank}")
+        hvd.join()
+    hvd.shutdown()
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_taking_different_ways_into_the_channels_agree(size):
+    assert all(run_ranks(size, __name__, "_ranks_that_fill_their_buffers_differently", timeout=120, env=GLOO_ONLY))
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_striped_allreduce_matches_reference(size):
     assert all(run_ranks(size, __name__, "_striped_allreduces", timeout=120, env=GLOO_ONLY))
