@@ -103,46 +103,29 @@ class GlooChannelsRoute : public CpuRoute {
   static constexpr int64_t kChunksPerChannel = 4;
   static constexpr int64_t kPollBytes = 1LL << 20;  // copied out between looks for ended chunks
 
+  // Note [CPU channels]: below two stripes' worth (or with one channel) one allreduce; above,
+  // the pipelined chunks, whoever calls, so the cut never depends on how a rank filled the buffer.
+  bool Chunked(const at::Tensor& buffer) const {
+    return channels_.size() >= 2 && buffer.numel() * static_cast<int64_t>(buffer.element_size()) >= 2 * kStripeBytes;
+  }
+
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
-    const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
-    const int64_t stripes = std::min<int64_t>(static_cast<int64_t>(channels_.size()), bytes / kStripeBytes);
-    if (stripes <= 1) {
-      channels_.front()->Allreduce(flat, op);
-      finish(flat);
+    if (Chunked(flat)) {
+      AllreduceStaged(flat, op, {[](int64_t, int64_t) {}, finish, [](int64_t, int64_t) {}, {}});
       return;
     }
-    const int64_t per = (flat.numel() + stripes - 1) / stripes;
-    std::vector<at::Tensor> parts;
-    std::vector<std::function<void()>> waits;
-    std::exception_ptr failure;
-    for (int64_t i = 0; i < stripes && i * per < flat.numel(); ++i) {
-      parts.push_back(flat.narrow(0, i * per, std::min(per, flat.numel() - i * per)));
-      try {
-        waits.push_back(channels_[i]->StartAllreduce(parts.back(), op));
-      } catch (...) {
-        failure = std::current_exception();
-        break;
-      }
-    }
-    for (size_t i = 0; i < waits.size(); ++i) {  // every started stripe is waited for before anything is thrown
-      try {
-        waits[i]();
-        if (!failure) finish(parts[i]);
-      } catch (...) {
-        if (!failure) failure = std::current_exception();
-      }
-    }
-    if (failure) std::rethrow_exception(failure);
+    channels_.front()->Allreduce(flat, op);
+    finish(flat);
   }
 
   // Note [Pipelined fusion over channels] (cpu_route.h)
   void AllreduceStaged(at::Tensor& buffer, ReduceOp op, const Staging& staging) override {
-    const int64_t n = buffer.numel(), element = static_cast<int64_t>(buffer.element_size());
-    const int64_t width = static_cast<int64_t>(channels_.size());
-    if (width < 2 || n * element < 2 * kStripeBytes) {
+    if (!Chunked(buffer)) {
       CpuRoute::AllreduceStaged(buffer, op, staging);
       return;
     }
+    const int64_t n = buffer.numel(), element = static_cast<int64_t>(buffer.element_size());
+    const int64_t width = static_cast<int64_t>(channels_.size());
     const int64_t per = std::max<int64_t>(kStripeBytes / element, (n + width * kChunksPerChannel - 1) /
                                                                        (width * kChunksPerChannel));
     // The first chunk is a quarter of the others: the link idles until it is copied in.

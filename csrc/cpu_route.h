@@ -33,9 +33,10 @@
 // in two halves over two groups at once, and 37-44 ms in four quarters over four; at 16 MB two
 // groups took 10.5 ms against 13.7 ms, while below ~4 MB the extra waits cost more than they
 // save. So the engine holds HVDLITE_CPU_CHANNELS Gloo groups for CPU data (rank 0's value,
-// agreed at init), and an allreduce of at least 2 x kStripeBytes is cut into equal stripes of
-// at least kStripeBytes, one per channel, started together and waited for together. The cut
-// depends only on the element count and the channel count, so every rank cuts the same way.
+// agreed at init), and an allreduce of at least 2 x kStripeBytes is cut into chunks spread
+// over the channels (Note [Pipelined fusion over channels]; it was first cut into one equal
+// stripe per channel). The cut depends only on the element count and the channel count, so
+// every rank cuts the same way.
 //
 // Note [Pipelined fusion over channels]
 // A fused batch on the channels used to be copied into its fusion buffer whole, allreduced,
@@ -54,13 +55,13 @@
 // next one at once: the thread looks for ended chunks (Work::isCompleted) after every chunk it
 // copies in and every megabyte it copies out. Measured with bench/linkprofile.py (102 MB over
 // 1 Gbit/s, MTU 9000), the link's idle time inside a call went from 12.6-15.7 ms to 7-14 ms.
-// Every CPU reduction on this route goes through AllreduceStaged, so that its cut depends on
-// nothing a rank decides alone: a lone tensor reduces in its output, which out of place is
-// filled from the input as the copy in (nothing is copied out; it used to be copied whole
-// before the first byte left: hvd.allreduce of 102 MB across those hosts went from 896 ms to
-// 830 ms), and a batch with a member that is no memcpy on this rank is filled whole first.
-// Ranks may so reduce in place, out of place or from a joined rank's neutral input, with
-// different layouts, and still send the same chunks on every channel.
+// AllreduceFlat takes the same chunks (with nothing to copy), so the cut depends on nothing a
+// rank decides alone: ranks may reduce in place, out of place, through a buffer filled whole
+// (a member that is no memcpy on this rank) or from a joined rank's neutral input, and still
+// send the same chunks on every channel. A lone tensor reduced out of place goes this way with
+// its output as the buffer: the copy from its input is the copy in, and nothing is copied out
+// (it used to be copied whole before the first byte left: hvd.allreduce of 102 MB across those
+// hosts went from 896 ms to 830 ms).
 //
 // Note [Prefaulting outputs while the link works]
 // An out-of-place allreduce writes its results into fresh tensors, whose pages the kernel maps

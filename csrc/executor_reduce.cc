@@ -70,18 +70,14 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   if (!scatter && !casts && locals.size() == 1 && first.output.is_contiguous() && total > 0) {
     // One tensor: reduce straight in the output, no fusion buffer.
     at::Tensor flat = first.output.view({-1});
-    const double prescale = request.prescale;
-    if (first.input.device().is_cpu()) {
-      // Every rank stages on the CPU route, however it fills its output: the route cuts by
-      // element count alone, so a rank reducing in place, one out of place and a joined rank's
-      // neutral input send the same chunks (Note [Pipelined fusion over channels] in
-      // cpu_route.h). Out of place, the output is filled from the input chunk by chunk while
-      // earlier chunks travel, rather than copied whole, page faults included, before the
-      // first byte leaves; nothing is copied out.
-      const bool streams = !first.output.is_alias_of(first.input) && Memcpyable(first.input) && Memcpyable(first.output);
-      if (!streams && !first.output.is_same(first.input)) first.output.copy_(first.input);
+    if (first.input.device().is_cpu() && !first.output.is_alias_of(first.input) && Memcpyable(first.input) &&
+        Memcpyable(first.output)) {
+      // Out of place: the route fills the output from the input chunk by chunk while earlier
+      // chunks travel (Note [Pipelined fusion over channels] in cpu_route.h), rather than
+      // copying it whole, page faults included, before the first byte leaves.
+      const double prescale = request.prescale;
       CpuRoute::Staging staging{[&](int64_t begin, int64_t stop) {
-                                  if (streams) CopyRange(first.input, begin, flat, begin, stop - begin);
+                                  CopyRange(first.input, begin, flat, begin, stop - begin);
                                   at::Tensor part = flat.narrow(0, begin, stop - begin);
                                   Scale(part, prescale);
                                 },
@@ -92,7 +88,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
       return;
     }
     if (!first.output.is_same(first.input)) first.output.copy_(first.input);
-    Scale(first.output, prescale);
+    Scale(first.output, request.prescale);
     CollectiveStarts();
     AllreduceFlat(flat, wire_op, backend, finish);
     CollectiveEnds();
@@ -157,13 +153,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   if (total > 0) {
     Scale(buffer, request.prescale);
     CollectiveStarts();
-    if (!scatter && buffer.device().is_cpu()) {
-      // Filled whole (a member is not a memcpy on this rank), but cut as the peers that stage
-      // member by member cut it (Note [Pipelined fusion over channels]).
-      cpu_route_->AllreduceStaged(buffer, wire_op, {[](int64_t, int64_t) {}, finish, [](int64_t, int64_t) {}, {}});
-    } else {
-      AllreduceFlat(buffer, wire_op, backend, finish);
-    }
+    AllreduceFlat(buffer, wire_op, backend, finish);
     CollectiveEnds();
   }
   offset = 0;

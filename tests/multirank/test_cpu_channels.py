@@ -1,7 +1,8 @@
-"""Large CPU allreduces striped over several Gloo groups (Note [CPU channels], csrc/cpu_route.h).
+"""Large CPU allreduces spread over several Gloo groups (Note [CPU channels], csrc/cpu_route.h).
 
-Striping starts at 16 MiB; these tensors are cut into 2 to 4 stripes, with element counts that
-do not divide evenly, and every rank's result is checked against an independent reference.
+Spreading starts at 16 MiB; these tensors are cut into chunks over 2 to 4 channels, with element
+counts that do not divide evenly, and every rank's result is checked against an independent
+reference.
 All ranks of these jobs share one host, where CPU allreduces would go through shared memory
 (tests/multirank/test_shared_memory.py); HVDLITE_SHARED_MEMORY=0 keeps them on the channels.
 """
