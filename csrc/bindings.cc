@@ -364,6 +364,12 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("hierarchical", &Engine::hierarchical)
       .def_property_readonly("shm_waits", &Engine::shm_waits)
       .def_property_readonly("_caller_rounds", &Engine::caller_rounds)
+      // Note [Slots sized by the last rounds]: (rounds through the backend, second exchanges, next slot).
+      .def_property_readonly("_control_exchanges",
+                             [](const Engine& e) {
+                               const ControlChannel& c = e.control_channel();
+                               return py::make_tuple(c.rounds(), c.second_exchanges(), c.slot_bytes());
+                             })
       .def_property_readonly("_straight_shares", &Engine::straight_shares)
       .def("_set_single_copy_min", &Engine::SetSingleCopyMin, py::arg("min_bytes"))
       .def_property_readonly("single_copy", &Engine::single_copy)

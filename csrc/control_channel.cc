@@ -8,11 +8,37 @@
 
 namespace hvdlite {
 
+SlotSizer::SlotSizer(int size) : cap_(std::max<int64_t>(kMinSlotBytes, kRoundBytes / std::max(size, 1))) {}
+
+int64_t SlotSizer::Next(const std::vector<int64_t>& lengths) {
+  // Note [Slots sized by the last rounds]
+  int64_t longest = 0;
+  for (int64_t length : lengths) longest = std::max(longest, length);
+  longest = std::clamp<int64_t>(longest, 0, cap_);  // a corrupt length cannot overflow below
+  const int64_t wanted = longest + longest / 8 + 8 /* the header */;
+  const int64_t fitting = std::clamp<int64_t>((wanted + 1023) / 1024 * 1024, kMinSlotBytes, cap_);
+  if (fitting >= slot_) {
+    slot_ = fitting;
+    calm_ = 0;
+  } else if (++calm_ >= kCalmRounds) {
+    slot_ = fitting;
+    calm_ = 0;
+  }
+  return slot_;
+}
+
 ControlChannel::ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int size)
-    : backend_(backend), shm_(shm), size_(size), slot_splits_(size, kSlotBytes) {
+    : backend_(backend), shm_(shm), size_(size), sizer_(size) {
+  if (shm_ == nullptr) Resize();
+}
+
+void ControlChannel::Resize() {
+  slot_bytes_ = sizer_.slot();
+  slot_now_ = slot_bytes_;
+  slot_splits_.assign(size_, slot_bytes_);
   auto options = at::TensorOptions().dtype(at::kByte);
-  send_ = at::zeros({kSlotBytes * size}, options);
-  receive_ = at::zeros({kSlotBytes * size}, options);
+  send_ = at::zeros({slot_bytes_ * size_}, options);
+  receive_ = at::zeros({slot_bytes_ * size_}, options);
 }
 
 std::vector<std::string> ControlChannel::Exchange(const std::string& mine) {
@@ -26,30 +52,34 @@ std::vector<std::string> ControlChannel::Exchange(const std::string& mine) {
   // of each copy is written; the rest of the slot is never read.
   auto* send = static_cast<char*>(send_.data_ptr());
   const int64_t length = static_cast<int64_t>(mine.size());
-  const bool fits = length <= kSlotBytes - kHeaderBytes;
+  const bool fits = length <= slot_bytes_ - kHeaderBytes;
   for (int r = 0; r < size_; ++r) {
-    char* slot = send + r * kSlotBytes;
+    char* slot = send + r * slot_bytes_;
     std::memcpy(slot, &length, kHeaderBytes);
     if (fits) std::memcpy(slot + kHeaderBytes, mine.data(), mine.size());
   }
   backend_->Alltoall(receive_, send_, slot_splits_, slot_splits_);
+  rounds_.fetch_add(1, std::memory_order_relaxed);
 
   std::vector<int64_t> lengths(size_);
   int64_t longest = 0;
   const auto* received = static_cast<const char*>(receive_.data_ptr());
   for (int r = 0; r < size_; ++r) {
-    std::memcpy(&lengths[r], received + r * kSlotBytes, kHeaderBytes);
+    std::memcpy(&lengths[r], received + r * slot_bytes_, kHeaderBytes);
+    if (lengths[r] < 0) lengths[r] = 0;  // a corrupt length decodes as an empty message
     longest = std::max(longest, lengths[r]);
   }
   std::vector<std::string> messages(size_);
-  if (longest <= kSlotBytes - kHeaderBytes) {
-    for (int r = 0; r < size_; ++r) {
-      if (lengths[r] < 0) lengths[r] = 0;  // a corrupt length decodes as an empty message
-      messages[r].assign(received + r * kSlotBytes + kHeaderBytes, lengths[r]);
-    }
-    return messages;
+  if (longest <= slot_bytes_ - kHeaderBytes) {
+    for (int r = 0; r < size_; ++r) messages[r].assign(received + r * slot_bytes_ + kHeaderBytes, lengths[r]);
+  } else {
+    second_exchanges_.fetch_add(1, std::memory_order_relaxed);
+    messages = ExchangeLarge(mine, lengths);
   }
-  return ExchangeLarge(mine, lengths);
+  // Note [Slots sized by the last rounds]: every rank read the same lengths, so every rank
+  // resizes alike, between rounds.
+  if (sizer_.Next(lengths) != slot_bytes_) Resize();
+  return messages;
 }
 
 std::vector<std::string> ControlChannel::ExchangeLarge(const std::string& mine, const std::vector<int64_t>& lengths) {

@@ -1,9 +1,9 @@
 // ControlChannel: the control plane's one primitive, "everyone's bytes", built on a CPU (Gloo)
 // CollectiveBackend reserved for negotiation.
 //
-// Each rank sends a fixed slot holding its length and, when it fits, its bytes: one collective
-// per round in the common case. When any message is larger than a slot, a second exchange at
-// the largest size carries everything.
+// Each rank sends a slot holding its length and, when it fits, its bytes: one collective per
+// round in the common case. When any message is larger than a slot, a second exchange at the
+// largest size carries everything.
 //
 // Note [Control exchange by alltoall]
 // The slot exchange is an alltoall in which every rank sends its own slot to every rank, not
@@ -13,11 +13,25 @@
 // 0.57-0.76 ms by allgather (a 1-float allreduce: 0.42 ms); the round is the whole cost of a
 // small collective, so this is the latency of every tiny allreduce. The rare oversized second
 // exchange stays an allgather, which moves size times fewer bytes per rank.
+//
+// Note [Slots sized by the last rounds]
+// A fixed 2 KiB slot held a step's cached requests but not a ResNet-50 step across hosts: 161
+// cached requests and the 30 bias and norm tensors' inlined bytes make a 12 KB message, and 161
+// one-float tensors 2.8 KB. Each such round paid the second exchange, a whole extra round trip:
+// across two 1 Gbit/s test hosts, 161 one-float tensors took 0.8-1.0 ms from the later rank's
+// start of the exchange to its end, one tensor 0.3 ms. Every rank receives every length, so
+// every rank can size the next round's slot the same way without another word: the longest
+// message plus an eighth, in whole KiB, at once when a round needs more, and back down only
+// after kCalmRounds rounds in a row that would all have fitted a smaller slot, so a training
+// step's big round keeps its slot through the small rounds between steps. The slot stays
+// between 2 KiB and kRoundBytes / size, so a round never sends more than kRoundBytes per rank
+// in slots: a large job keeps today's 2 KiB, and past the cap the second exchange is back.
 // Background thread only; reuses its tensors across rounds.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -26,6 +40,25 @@
 
 namespace hvdlite {
 
+// Note [Slots sized by the last rounds]: the slot, in bytes with its header, that every rank
+// computes alike from the lengths that every rank received.
+class SlotSizer {
+ public:
+  static constexpr int64_t kMinSlotBytes = 2048;
+  static constexpr int64_t kRoundBytes = 128 << 10;
+  static constexpr int kCalmRounds = 32;
+
+  explicit SlotSizer(int size);
+  int64_t slot() const { return slot_; }
+  // After a round whose messages were `lengths` bytes long; returns the next round's slot.
+  int64_t Next(const std::vector<int64_t>& lengths);
+
+ private:
+  int64_t cap_;
+  int64_t slot_ = kMinSlotBytes;
+  int calm_ = 0;  // rounds in a row that a smaller slot would have held
+};
+
 class ControlChannel {
  public:
   // Note [Control exchange through shared memory] (shm_channel.h): with `shm`, slots travel
@@ -33,20 +66,30 @@ class ControlChannel {
   ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int size);
   // Every rank calls this once per round; returns every rank's bytes, indexed by rank.
   std::vector<std::string> Exchange(const std::string& mine);
+  // For tests: rounds exchanged through the backend, how many of them needed the second
+  // exchange, and the slot the next round sends. Read from any thread.
+  uint64_t rounds() const { return rounds_.load(); }
+  uint64_t second_exchanges() const { return second_exchanges_.load(); }
+  int64_t slot_bytes() const { return slot_now_.load(); }
 
  private:
   // Every message at the longest length, by Gloo allgather (a message did not fit in a slot).
   std::vector<std::string> ExchangeLarge(const std::string& mine, const std::vector<int64_t>& lengths);
 
-  // Fits a training step's worth of cached requests (Note [Response cache]) for ~200 tensors.
-  static constexpr int64_t kSlotBytes = 2048;
+  // The slot tensors for sizer_'s current slot.
+  void Resize();
+
   static constexpr int64_t kHeaderBytes = 8;
   CollectiveBackend* backend_;
   ShmChannel* shm_;  // owned by the engine; may be null
   int size_;
-  std::vector<int64_t> slot_splits_;  // kSlotBytes for every rank
+  SlotSizer sizer_;
+  int64_t slot_bytes_ = 0;            // the slot that send_ and receive_ hold
+  std::vector<int64_t> slot_splits_;  // slot_bytes_ for every rank
   at::Tensor send_;                   // this rank's slot, once per destination rank
   at::Tensor receive_;
+  std::atomic<uint64_t> rounds_{0}, second_exchanges_{0};
+  std::atomic<int64_t> slot_now_{0};
 };
 
 }  // namespace hvdlite

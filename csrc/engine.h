@@ -198,6 +198,8 @@ class Engine {
   bool shared_memory() const { return shm_ != nullptr && !hierarchical_; }
   // Note [A waiting caller runs the round]: how many rounds callers have run (tests).
   uint64_t caller_rounds() const { return caller_rounds_.load(); }
+  // Note [Slots sized by the last rounds] (control_channel.h): for tests.
+  const ControlChannel& control_channel() const { return channel_; }
   // Note [Single-copy allreduce] (shm_channel.h): for benchmarks and tests; false where the
   // engine has no channel or the probe did not allow it.
   bool SetSingleCopyMin(int64_t min_bytes) { return shared_memory() && shm_->SetSingleCopyMin(min_bytes); }

@@ -12,6 +12,7 @@
 
 #include "autotune.h"
 #include "backend.h"
+#include "control_channel.h"
 #include "controller.h"
 #include "cpu_route.h"
 #include "fusion.h"
@@ -274,6 +275,13 @@ void DefineTestHooks(py::module_& m) {
   m.def("_plan", &Plan);
   m.def("_encode_message", &EncodeMessage);
   m.def("_decode_message", &DecodeMessage);
+  // Note [Slots sized by the last rounds]: the slot after each round of lengths.
+  m.def("_slot_sizes", [](int size, const std::vector<std::vector<int64_t>>& rounds) {
+    SlotSizer sizer(size);
+    std::vector<int64_t> slots;
+    for (const auto& lengths : rounds) slots.push_back(sizer.Next(lengths));
+    return slots;
+  }, py::arg("size"), py::arg("rounds"));
   m.def("_staged_schedule", &StagedSchedule, py::arg("elements"), py::arg("channels"), py::arg("probes"),
         py::arg("prefault"));
 }

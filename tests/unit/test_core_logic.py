@@ -306,3 +306,20 @@ def test_every_job_wide_setting_is_parsed_strictly():
     for var in _core.JOB_WIDE_SETTINGS:
         with pytest.raises(ValueError, match=f"invalid {var}='bogus'"):
             _core._parse_config({var: "bogus"})
+
+
+def test_control_slot_grows_at_once_and_shrinks_after_calm_rounds():
+    # Note [Slots sized by the last rounds] (csrc/control_channel.h)
+    assert _core._slot_sizes(2, [[0, 0], [100, 2000]]) == [2048, 3072]  # 2000 + 250 + 8 in whole KiB
+    big, small = [12_000, 300], [40, 40]
+    slots = _core._slot_sizes(2, [big] + [small] * 31 + [small])
+    assert slots[:32] == [14_336] * 32 and slots[32] == 2048  # down on the 32nd calm round
+    # a round that needs the slot again restarts the count
+    slots = _core._slot_sizes(2, [big] + [small] * 20 + [big] + [small] * 31)
+    assert set(slots) == {14_336}
+    # a smaller need after the calm rounds lands on that need, not on the minimum
+    assert _core._slot_sizes(2, [big] + [[5000, 0]] * 32)[-1] == 6144
+    # at most 128 KiB per rank per round in slots, never under 2 KiB; corrupt lengths are capped
+    assert _core._slot_sizes(2, [[10**6, 0]]) == [65_536]
+    assert _core._slot_sizes(64, [[10**6] * 64]) == [2048]
+    assert _core._slot_sizes(3, [[2**62, 2**63 - 1, 0]]) == [43_690]
