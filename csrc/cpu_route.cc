@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <exception>
+#include <limits>
+#include <stdexcept>
+#include <string>
 
 namespace hvdlite {
 namespace {
@@ -100,18 +103,23 @@ class GlooChannelsRoute : public CpuRoute {
   std::string name() const override { return channels_.front()->name(); }
 
   static constexpr int64_t kStripeBytes = 8LL << 20;
+  static constexpr int64_t kMaxChunkBytes = 16LL << 20;
   static constexpr int64_t kChunksPerChannel = 4;
   static constexpr int64_t kPollBytes = 1LL << 20;  // copied out between looks for ended chunks
 
   // Note [CPU channels]: below two stripes' worth (or with one channel) one allreduce; above,
   // the pipelined chunks, whoever calls, so the cut never depends on how a rank filled the buffer.
-  bool Chunked(const at::Tensor& buffer) const {
-    return channels_.size() >= 2 && buffer.numel() * static_cast<int64_t>(buffer.element_size()) >= 2 * kStripeBytes;
+  bool Chunked(int64_t bytes) const { return channels_.size() >= 2 && bytes >= 2 * kStripeBytes; }
+
+  // Note [Streaming a batch through its buffer]: room for two of the largest chunks.
+  bool StreamsThrough(int64_t buffer_bytes) const override {
+    return channels_.size() >= 2 && buffer_bytes >= 2 * kMaxChunkBytes;
   }
 
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
-    if (Chunked(flat)) {
-      AllreduceStaged(flat, op, {[](int64_t, int64_t) {}, finish, [](int64_t, int64_t) {}, {}});
+    if (Chunked(flat.numel() * static_cast<int64_t>(flat.element_size()))) {
+      auto nothing = [](int64_t, int64_t, at::Tensor&) {};
+      AllreduceStaged(flat, flat.numel(), op, {nothing, finish, nothing, {}});
       return;
     }
     channels_.front()->Allreduce(flat, op);
@@ -119,22 +127,33 @@ class GlooChannelsRoute : public CpuRoute {
   }
 
   // Note [Pipelined fusion over channels] (cpu_route.h)
-  void AllreduceStaged(at::Tensor& buffer, ReduceOp op, const Staging& staging) override {
-    if (!Chunked(buffer)) {
-      CpuRoute::AllreduceStaged(buffer, op, staging);
+  void AllreduceStaged(at::Tensor& buffer, int64_t n, ReduceOp op, const Staging& staging) override {
+    const int64_t element = static_cast<int64_t>(buffer.element_size());
+    if (!Chunked(n * element)) {
+      CpuRoute::AllreduceStaged(buffer, n, op, staging);
       return;
     }
-    const int64_t n = buffer.numel(), element = static_cast<int64_t>(buffer.element_size());
     const int64_t width = static_cast<int64_t>(channels_.size());
-    const int64_t per = std::max<int64_t>(kStripeBytes / element, (n + width * kChunksPerChannel - 1) /
-                                                                       (width * kChunksPerChannel));
+    // The cut depends on n and the channels only: chunks of about n / (width x
+    // kChunksPerChannel), within [kStripeBytes, kMaxChunkBytes].
+    const int64_t per = std::clamp<int64_t>((n + width * kChunksPerChannel - 1) / (width * kChunksPerChannel),
+                                            kStripeBytes / element, kMaxChunkBytes / element);
+    // Note [Streaming a batch through its buffer]: chunk c is staged in slot c % slots; a buffer
+    // that holds all n is one slot per chunk.
+    const bool ring = buffer.numel() < n;
+    if (ring && !StreamsThrough(buffer.numel() * element)) {
+      throw std::logic_error("a staging buffer of " + std::to_string(buffer.numel()) + " elements for " +
+                             std::to_string(n) + " on a route that cannot stream them");
+    }
     // The first chunk is a quarter of the others: the link idles until it is copied in.
     std::vector<at::Tensor> chunks;
     std::vector<int64_t> begins;
+    const int64_t slots = ring ? buffer.numel() / per : std::numeric_limits<int64_t>::max();
     for (int64_t offset = 0; offset < n;) {
       const int64_t length = std::min(chunks.empty() ? per / 4 : per, n - offset);
+      const int64_t c = static_cast<int64_t>(chunks.size());
       begins.push_back(offset);
-      chunks.push_back(buffer.narrow(0, offset, length));
+      chunks.push_back(buffer.narrow(0, ring ? (c % slots) * per : offset, length));
       offset += length;
     }
     const int64_t count = static_cast<int64_t>(chunks.size());
@@ -181,21 +200,12 @@ class GlooChannelsRoute : public CpuRoute {
         if (ended_yet(c)) reap(c);
       }
     };
-    try {
-      for (int64_t c = 0; c < count; ++c) {  // the first chunk per channel starts as it is filled
-        staging.copy_in(begins[c], begins[c] + chunks[c].numel());
-        copied = c + 1;
-        start(c);
-        poll();
-      }
-    } catch (...) {
-      if (!failure) failure = std::current_exception();
-    }
-    // Every started chunk is waited for before anything is thrown. Chunks are copied out in
-    // order, a step at a time, looking for ended chunks between steps.
     const int64_t step = std::max<int64_t>(1, kPollBytes / element);
     int64_t mapped = 0;  // Note [Prefaulting outputs while the link works]: outputs before it are mapped or written
-    for (int64_t c = 0; c < count; ++c) {
+    // Waits for chunk c (mapping outputs ahead meanwhile) and copies it out a step at a time,
+    // looking for ended chunks between steps. Every started chunk is waited for before
+    // anything is thrown.
+    auto copy_out = [&](int64_t c) {
       mapped = std::max(mapped, begins[c]);
       try {
         while (staging.prefault && !failure && mapped < n && waits[c] && !ended_yet(c)) {
@@ -209,17 +219,33 @@ class GlooChannelsRoute : public CpuRoute {
       }
       reap(c);
       poll();
-      if (failure || !ended[c]) continue;
+      if (failure || !ended[c]) return;
       try {
         staging.finish(chunks[c]);
         for (int64_t at = begins[c], stop = begins[c] + chunks[c].numel(); at < stop; at += step) {
-          staging.copy_out(at, std::min(stop, at + step));
+          const int64_t to = std::min(stop, at + step);
+          at::Tensor part = chunks[c].narrow(0, at - begins[c], to - at);
+          staging.copy_out(at, to, part);
           poll();
         }
       } catch (...) {
         failure = std::current_exception();
       }
+    };
+    int64_t out = 0;  // chunks copied out (or given up on), in order
+    try {
+      for (int64_t c = 0; c < count && !failure; ++c) {  // the first chunk per channel starts as it is filled
+        while (out <= c - slots) copy_out(out++);  // its slot is free once the chunk before in it is out
+        if (failure) break;
+        staging.copy_in(begins[c], begins[c] + chunks[c].numel(), chunks[c]);
+        copied = c + 1;
+        start(c);
+        poll();
+      }
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
     }
+    while (out < count) copy_out(out++);
     if (failure) std::rethrow_exception(failure);
   }
 
@@ -228,6 +254,14 @@ class GlooChannelsRoute : public CpuRoute {
 };
 
 }  // namespace
+
+at::Tensor CpuRoute::CoverAll(at::Tensor& buffer, int64_t n) {
+  if (buffer.numel() < n) {
+    throw std::logic_error("a staging buffer of " + std::to_string(buffer.numel()) + " elements for " +
+                           std::to_string(n) + " on a route that stages everything at once");
+  }
+  return buffer.numel() == n ? buffer : buffer.narrow(0, 0, n);
+}
 
 std::unique_ptr<CpuRoute> ChooseCpuRoute(const CpuRouteInputs& in) {
   using Candidate = std::unique_ptr<CpuRoute> (*)(const CpuRouteInputs&);

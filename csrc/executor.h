@@ -69,6 +69,11 @@ class Executor {
            CollectiveBackend* cuda, TensorQueue* queue, HandleTable* handles, Timeline* timeline);
 
   void Execute(const Batch& batch);
+  // Note [Streaming a batch through its buffer] (cpu_route.h): the fusion threshold this round
+  // plans with (it sizes the buffer that larger CPU batches stream through), and whether the
+  // CPU route streams through a buffer of that size.
+  void SetFusionThreshold(int64_t bytes) { fusion_threshold_bytes_ = bytes; }
+  bool StreamsCpuBatches(int64_t threshold_bytes) const { return cpu_route_->StreamsThrough(threshold_bytes); }
   void ReleaseBuffers() { buffers_.Clear(); }
   // The way CPU reductions travel (Note [CPU routes]), for logs and the timeline.
   std::string CpuRouteName() const { return cpu_route_->name(); }
@@ -81,6 +86,9 @@ class Executor {
     std::vector<int64_t> aux;
   };
   CollectiveBackend* BackendFor(c10::Device device);
+  // Note [Streaming a batch through its buffer]: some member's memory overlaps another's (or
+  // its own output only partly), so the batch cannot reuse buffer slots.
+  static bool MembersShareMemory(const std::vector<Local>& locals, c10::ScalarType wire);
   // What a failed collective of `kind` on `device` went through, for the error.
   std::string RouteName(CollectiveKind kind, c10::Device device, CollectiveBackend* backend) const;
   // Execute's steps: the entries this rank takes part with; the collective and its errors;
@@ -120,6 +128,7 @@ class Executor {
   TensorQueue* queue_;
   HandleTable* handles_;
   FusionBufferPool buffers_;
+  int64_t fusion_threshold_bytes_ = 0;  // SetFusionThreshold
   std::map<std::pair<int, int>, c10::Stream> streams_;
   Timeline* timeline_;
   bool collective_started_ = false;  // the current batch reached its collective

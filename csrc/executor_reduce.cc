@@ -23,6 +23,21 @@ std::pair<int64_t, int64_t> ScatterRange(int64_t rows, int rank, int size) {
 
 }  // namespace
 
+// Note [Streaming a batch through its buffer] (cpu_route.h): whether some member reads or
+// writes memory that another member (or its own output, partly) also touches.
+bool Executor::MembersShareMemory(const std::vector<Local>& locals, c10::ScalarType wire) {
+  std::vector<ShmChannel::Piece> pieces;
+  pieces.reserve(locals.size());
+  for (const Local& local : locals) {
+    if (local.entry.input.numel() == 0) continue;
+    pieces.push_back({static_cast<const char*>(local.entry.input.data_ptr()),
+                      static_cast<char*>(local.entry.output.data_ptr()),
+                      local.entry.input.numel() * static_cast<int64_t>(c10::elementSize(wire)),
+                      local.entry.input.scalar_type()});
+  }
+  return ShmChannel::PiecesOverlap(pieces, wire);
+}
+
 void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   const ReadyItem& item = *locals.front().item;
   const Request& request = item.request;
@@ -76,14 +91,13 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
       // chunks travel (Note [Pipelined fusion over channels] in cpu_route.h), rather than
       // copying it whole, page faults included, before the first byte leaves.
       const double prescale = request.prescale;
-      CpuRoute::Staging staging{[&](int64_t begin, int64_t stop) {
-                                  CopyRange(first.input, begin, flat, begin, stop - begin);
-                                  at::Tensor part = flat.narrow(0, begin, stop - begin);
+      CpuRoute::Staging staging{[&](int64_t begin, int64_t stop, at::Tensor& part) {
+                                  CopyRange(first.input, begin, part, 0, stop - begin);
                                   Scale(part, prescale);
                                 },
-                                finish, [](int64_t, int64_t) {}, {}};
+                                finish, [](int64_t, int64_t, at::Tensor&) {}, {}};
       CollectiveStarts();
-      cpu_route_->AllreduceStaged(flat, wire_op, staging);
+      cpu_route_->AllreduceStaged(flat, flat.numel(), wire_op, staging);
       CollectiveEnds();
       return;
     }
@@ -96,13 +110,18 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   }
   // Note [Reducescatter over Gloo]: a reducescatter reduces the whole (fused) buffer and keeps
   // this rank's rows; it fuses like allreduce and handles uneven row counts.
-  at::Tensor buffer = buffers_.Get(first.input.device(), wire, total);
-  if (!scatter && total > 0 && buffer.device().is_cpu() &&
+  if (!scatter && total > 0 && first.input.device().is_cpu() &&
       std::all_of(locals.begin(), locals.end(), [](const Local& l) {
         return Memcpyable(l.entry.input) && Memcpyable(l.entry.output);
       })) {
-    // Note [Pipelined fusion over channels] (cpu_route.h): the route copies by element range.
-    std::vector<int64_t> starts;  // each member's first element in the buffer
+    // Note [Pipelined fusion over channels] (cpu_route.h): the route copies by element range,
+    // through a buffer of the threshold's size where it streams (Note [Streaming a batch
+    // through its buffer]) and the members share no memory.
+    const int64_t element = static_cast<int64_t>(c10::elementSize(wire));
+    const int64_t slots = fusion_threshold_bytes_ / element;
+    const bool streams = total > slots && cpu_route_->StreamsThrough(slots * element) && !MembersShareMemory(locals, wire);
+    at::Tensor buffer = buffers_.Get(first.input.device(), wire, streams ? slots : total);
+    std::vector<int64_t> starts;  // each member's first element in the batch
     int64_t end = 0;
     for (Local& local : locals) {
       starts.push_back(end);
@@ -120,13 +139,12 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
       }
     };
     const double prescale = request.prescale;
-    auto copy_in = [&](int64_t begin, int64_t stop) {
-      each(begin, stop, [&](Entry& e, int64_t at, int64_t to, int64_t n) { CopyRange(e.input, at, buffer, to, n); });
-      at::Tensor part = buffer.narrow(0, begin, stop - begin);
+    auto copy_in = [&](int64_t begin, int64_t stop, at::Tensor& part) {
+      each(begin, stop, [&](Entry& e, int64_t at, int64_t to, int64_t n) { CopyRange(e.input, at, part, to - begin, n); });
       Scale(part, prescale);
     };
-    auto copy_out = [&](int64_t begin, int64_t stop) {
-      each(begin, stop, [&](Entry& e, int64_t at, int64_t from, int64_t n) { CopyRange(buffer, from, e.output, at, n); });
+    auto copy_out = [&](int64_t begin, int64_t stop, at::Tensor& part) {
+      each(begin, stop, [&](Entry& e, int64_t at, int64_t from, int64_t n) { CopyRange(part, from - begin, e.output, at, n); });
     };
     CpuRoute::Staging staging{copy_in, finish, copy_out, {}};
     // Note [Prefaulting outputs while the link works] (cpu_route.h): outputs of their own only.
@@ -141,10 +159,11 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
       };
     }
     CollectiveStarts();
-    cpu_route_->AllreduceStaged(buffer, wire_op, staging);
+    cpu_route_->AllreduceStaged(buffer, total, wire_op, staging);
     CollectiveEnds();
     return;
   }
+  at::Tensor buffer = buffers_.Get(first.input.device(), wire, total);
   int64_t offset = 0;
   for (Local& local : locals) {
     CopyIn(buffer, offset, local.entry.input);  // Note [Copies into fusion buffers]

@@ -1,7 +1,10 @@
 #include "fusion.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
+
+#include <limits>
 
 namespace hvdlite {
 namespace {
@@ -33,17 +36,23 @@ int64_t RequestBytes(const Request& request) {
          static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(request.dtype)));
 }
 
-std::vector<Batch> PlanBatches(std::vector<ReadyItem> ready, int64_t threshold_bytes) {
+std::vector<Batch> PlanBatches(std::vector<ReadyItem> ready, int64_t threshold_bytes, bool cpu_streams) {
   std::vector<Batch> batches;
   std::vector<size_t> open;  // indices of batches that may still take items
+  const int64_t streamed = threshold_bytes > std::numeric_limits<int64_t>::max() / kStreamedBatches
+                               ? std::numeric_limits<int64_t>::max()
+                               : threshold_bytes * kStreamedBatches;
   for (ReadyItem& item : ready) {
     const int64_t bytes = item.status.ok() ? RequestBytes(item.request) : 0;
+    // Note [Streaming a batch through its buffer]
+    const bool streams = cpu_streams && item.request.kind == CollectiveKind::kAllreduce &&
+                         item.request.device_type == static_cast<int8_t>(c10::DeviceType::CPU);
+    const int64_t limit = streams ? streamed : threshold_bytes;
     Batch* target = nullptr;
     if (Fusable(item)) {
       for (auto it = open.rbegin(); it != open.rend(); ++it) {
         Batch& candidate = batches[*it];
-        if (SameBatchKey(candidate.items.front(), item) &&
-            candidate.bytes + bytes <= threshold_bytes) {
+        if (SameBatchKey(candidate.items.front(), item) && candidate.bytes + bytes <= limit) {
           target = &candidate;
           break;
         }

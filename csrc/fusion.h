@@ -24,7 +24,11 @@ struct Batch {
 // Allreduces, reducescatters and broadcasts that agree on dtype, device type, op, root, scale
 // factors and joined ranks are fused up to threshold_bytes per batch (a tensor larger than the threshold gets a batch of its
 // own). Failed items and other kinds get a batch each. Batches are ordered by their first item.
-std::vector<Batch> PlanBatches(std::vector<ReadyItem> ready, int64_t threshold_bytes);
+// `cpu_streams`: the CPU route streams batches through a buffer of the threshold's size (Note
+// [Streaming a batch through its buffer] in cpu_route.h), so CPU allreduces fuse up to
+// kStreamedBatches thresholds.
+std::vector<Batch> PlanBatches(std::vector<ReadyItem> ready, int64_t threshold_bytes, bool cpu_streams = false);
+constexpr int64_t kStreamedBatches = 4;
 
 int64_t RequestBytes(const Request& request);
 int64_t NumElements(const std::vector<int64_t>& shape);

@@ -37,6 +37,7 @@
 // else happens on the waiting thread.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -185,7 +186,8 @@ void Recorder::RecordDecisions(int64_t round, int64_t at_us, const std::vector<B
     const std::string how = transport(batch);
     const bool fusable = batch.items.front().status.ok() && !batch.items.front().inlined;
     if (fusable && fusion_threshold > 0 && batch.items.size() > 1) {
-      metrics_.fusion_fill_sum += static_cast<double>(batch.bytes) / static_cast<double>(fusion_threshold);
+      // a batch streamed past the threshold (Note [Streaming a batch through its buffer]) is full
+      metrics_.fusion_fill_sum += std::min(1.0, static_cast<double>(batch.bytes) / static_cast<double>(fusion_threshold));
       ++metrics_.fused_batches;
     }
     Traffic moved;

@@ -121,7 +121,7 @@ class ControllerHarness {
   Controller controller_;
 };
 
-py::list Plan(const py::list& requests, int64_t threshold) {
+py::list Plan(const py::list& requests, int64_t threshold, bool cpu_streams) {
   std::vector<ReadyItem> items;
   for (auto r : requests) {
     ReadyItem item;
@@ -132,7 +132,7 @@ py::list Plan(const py::list& requests, int64_t threshold) {
     items.push_back(std::move(item));
   }
   py::list batches;
-  for (const Batch& batch : PlanBatches(std::move(items), threshold)) {
+  for (const Batch& batch : PlanBatches(std::move(items), threshold, cpu_streams)) {
     py::list names;
     for (const ReadyItem& item : batch.items) names.append(item.request.name);
     batches.append(names);
@@ -214,13 +214,18 @@ class ScriptedChannel : public CollectiveBackend {
   py::list& events_;
 };
 
-// The events of one staged allreduce of `elements` float32 over `channels` scripted channels:
-// ("in" | "out" | "prefault", begin, end) from the copies, ("start" | "end", channel, begin,
-// end) and ("probe", channel, begin, end, ended) from the channels, in the order they happened.
-py::list StagedSchedule(int64_t elements, int channels, const std::vector<int64_t>& probes, bool prefault) {
+// The events of one staged allreduce of `elements` float32 over `channels` scripted channels,
+// staged in a buffer of `buffer_elements` (0: all of them; fewer streams the elements through
+// it, Note [Streaming a batch through its buffer]): ("in" | "out", begin, end, where) from the
+// copies, `where` being the buffer offset that holds element `begin`, ("prefault", begin, end),
+// ("start" | "end", channel, begin, end) from the channels with buffer offsets, and ("probe",
+// channel, begin, end, ended), in the order they happened.
+py::list StagedSchedule(int64_t elements, int channels, const std::vector<int64_t>& probes, bool prefault,
+                        int64_t buffer_elements) {
   if (probes.empty()) throw std::invalid_argument("probes: at least one count");
   if (channels < 1) throw std::invalid_argument("channels: at least one");
-  at::Tensor buffer = at::empty({elements}, at::kFloat);
+  at::Tensor buffer = at::empty({buffer_elements > 0 ? buffer_elements : elements}, at::kFloat);
+  const auto* base = static_cast<const char*>(buffer.data_ptr());
   py::list events;
   int64_t started = 0;
   std::vector<std::unique_ptr<ScriptedChannel>> owned;
@@ -230,12 +235,16 @@ py::list StagedSchedule(int64_t elements, int channels, const std::vector<int64_
     inputs.channels.push_back(owned.back().get());
   }
   std::unique_ptr<CpuRoute> route = ChooseCpuRoute(inputs);
-  auto record = [&events](const char* what) {
-    return [&events, what](int64_t begin, int64_t end) { events.append(py::make_tuple(what, begin, end)); };
+  auto record = [&events, base](const char* what) {
+    return [&events, base, what](int64_t begin, int64_t end, at::Tensor& part) {
+      const int64_t where = (static_cast<const char*>(part.data_ptr()) - base) / static_cast<int64_t>(part.element_size());
+      events.append(py::make_tuple(what, begin, end, where));
+    };
   };
-  CpuRoute::Staging staging{record("in"), [](at::Tensor&) {}, record("out"),
-                            prefault ? CpuRoute::Range(record("prefault")) : CpuRoute::Range()};
-  route->AllreduceStaged(buffer, ReduceOp::kSum, staging);
+  CpuRoute::Range mapped;
+  if (prefault) mapped = [&events](int64_t begin, int64_t end) { events.append(py::make_tuple("prefault", begin, end)); };
+  CpuRoute::Staging staging{record("in"), [](at::Tensor&) {}, record("out"), mapped};
+  route->AllreduceStaged(buffer, elements, ReduceOp::kSum, staging);
   return events;
 }
 
@@ -272,7 +281,7 @@ void DefineTestHooks(py::module_& m) {
         }
         return out;
       });
-  m.def("_plan", &Plan);
+  m.def("_plan", &Plan, py::arg("requests"), py::arg("threshold"), py::arg("cpu_streams") = false);
   m.def("_encode_message", &EncodeMessage);
   m.def("_decode_message", &DecodeMessage);
   // Note [Slots sized by the last rounds]: the slot after each round of lengths.
@@ -283,7 +292,7 @@ void DefineTestHooks(py::module_& m) {
     return slots;
   }, py::arg("size"), py::arg("rounds"));
   m.def("_staged_schedule", &StagedSchedule, py::arg("elements"), py::arg("channels"), py::arg("probes"),
-        py::arg("prefault"));
+        py::arg("prefault"), py::arg("buffer_elements") = 0);
 }
 
 }  // namespace hvdlite

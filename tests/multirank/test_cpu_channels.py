@@ -100,6 +100,57 @@ def _ranks_that_fill_their_buffers_differently():
     return True
 
 
+def _batches_streamed_through_the_buffer():
+    """Note [Streaming a batch through its buffer] (csrc/cpu_route.h): with a 32 MiB threshold,
+    a 95 MB grouped call is one batch staged slot by slot in a 32 MiB buffer; ranks that
+    stage it whole (a member that is no memcpy, members sharing memory) or take part joined
+    send the same chunks."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    engine = _state.current().sets[0].engine
+    assert engine.fusion_threshold_bytes == 32 * MIB
+    sizes = [MIB + 3, 0, 5, 5 * MIB - 1, 3 * MIB // 4 + 1] * 3 + [7 * MIB // 2 + 11]  # 95 MB of float32
+    for seed, dtype, op, pre, post, in_place in [(50, torch.float32, hvd.Average, 0.5, 3.0, True),
+                                                 (51, torch.float32, hvd.Sum, 1.0, 1.0, False),
+                                                 (52, torch.int32, hvd.Max, 1.0, 1.0, True)]:
+        by_rank = [[rank_input(seed * 100 + i, r, (n,), dtype, op) for i, n in enumerate(sizes)] for r in range(size)]
+        before = engine.metrics()["fused_batches"]
+        if in_place:
+            got = [t.clone() for t in by_rank[rank]]
+            hvd.grouped_allreduce_(got, op=op, name=f"streamed.{seed}", prescale_factor=pre, postscale_factor=post)
+        else:
+            got = hvd.grouped_allreduce(by_rank[rank], op=op, name=f"streamed.{seed}", prescale_factor=pre,
+                                        postscale_factor=post)
+        assert engine.metrics()["fused_batches"] == before + 1  # one batch, not four
+        assert_members_close(got, by_rank, op, dtype, f"streamed {dtype} (op {op}) on rank {rank}", pre, post)
+    # rank 0 stages a batch whole: a transposed member, then members that share memory
+    by_rank = [[rank_input(60, r, (2048, 2050), torch.float32), rank_input(61, r, (24 * MIB,), torch.float32)]
+               for r in range(size)]
+    mine = [t.t().contiguous().t() if rank == 0 and i == 0 else t for i, t in enumerate(by_rank[rank])]
+    got = hvd.grouped_allreduce(mine, op=hvd.Sum, name="streamed.transposed")
+    assert_members_close(got, by_rank, hvd.Sum, torch.float32, f"a transposed member on rank 0, rank {rank}")
+    base = [rank_input(62, r, (20 * MIB,), torch.float32) for r in range(size)]
+    by_rank = [[b[:12 * MIB], b[8 * MIB:]] for b in base]  # overlapping views of one tensor
+    mine = by_rank[rank] if rank == 0 else [t.clone() for t in by_rank[rank]]
+    got = hvd.grouped_allreduce(mine, op=hvd.Sum, name="streamed.overlapping")
+    assert_members_close(got, by_rank, hvd.Sum, torch.float32, f"members sharing memory on rank 0, rank {rank}")
+    by_rank = [[rank_input(70 + i, r, (n,), torch.float32) for i, n in enumerate(sizes)] for r in range(size)]
+    if rank == size - 1:
+        hvd.join()
+    else:
+        got = hvd.grouped_allreduce(by_rank[rank], op=hvd.Sum, name="streamed.joined")
+        assert_members_close(got, by_rank[:-1], hvd.Sum, torch.float32, f"beside a joined rank, rank {rank}")
+        hvd.join()
+    hvd.shutdown()
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_batches_larger_than_the_threshold_stream_through_its_buffer(size):
+    env = {**GLOO_ONLY, "HVDLITE_FUSION_THRESHOLD": str(32 * MIB)}
+    assert all(run_ranks(size, __name__, "_batches_streamed_through_the_buffer", timeout=180, env=env))
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_ranks_taking_different_ways_into_the_channels_agree(size):
     assert all(run_ranks(size, __name__, "_ranks_that_fill_their_buffers_differently", timeout=120, env=GLOO_ONLY))

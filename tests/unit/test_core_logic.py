@@ -96,6 +96,21 @@ def test_planner_fuses_by_key_up_to_threshold():
     assert _core._plan(b, 1 << 20) == [["p", "r"], ["q"]]
 
 
+def test_planner_lets_streamed_cpu_allreduces_grow_to_four_thresholds():
+    # Note [Streaming a batch through its buffer] (csrc/cpu_route.h): 10 floats = 40 bytes
+    cpu = [req(n, shape=[10]) for n in "abcdefghij"]
+    assert _core._plan(cpu, 80) == [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"], ["i", "j"]]
+    assert _core._plan(cpu, 80, cpu_streams=True) == [list("abcdefgh"), ["i", "j"]]
+    # device tensors, reducescatters and broadcasts keep the threshold; so does 0 (no fusion)
+    cuda = [req(n, shape=[10], device_type=1) for n in "abc"]
+    assert _core._plan(cuda, 80, cpu_streams=True) == [["a", "b"], ["c"]]
+    scatter = [req(n, shape=[10], kind=4) for n in "abc"]
+    assert _core._plan(scatter, 80, cpu_streams=True) == [["a", "b"], ["c"]]
+    assert _core._plan(cpu[:3], 0, cpu_streams=True) == [["a"], ["b"], ["c"]]
+    huge = 2**62  # four times it saturates instead of overflowing
+    assert _core._plan(cpu[:3], huge, cpu_streams=True) == [["a", "b", "c"]]
+
+
 def test_message_encoding_round_trips():
     m = msg(req("grad.w", shape=[3, 0, 2], prescale=0.5, group="G", group_size=3),
             req("ünïcödé-" + "x" * 5000, kind=BROADCAST, root=2), req("", shape=[]), flags=3, clock_ms=123)

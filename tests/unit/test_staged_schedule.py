@@ -16,8 +16,8 @@ MIB = 1 << 20
 ELEMENTS = 24 * MIB + 7  # 96 MiB of float32 (never touched): several chunks per channel, a short last one
 
 
-def schedule(channels, probes, prefault, elements=ELEMENTS):
-    return _core._staged_schedule(elements, channels, probes, prefault)
+def schedule(channels, probes, prefault, elements=ELEMENTS, buffer_elements=0):
+    return _core._staged_schedule(elements, channels, probes, prefault, buffer_elements)
 
 
 def covering(ranges, n):
@@ -37,7 +37,7 @@ NEVER = 10**9  # a chunk that ends only when waited for
 @pytest.mark.parametrize("prefault", [False, True])
 def test_chunks_move_in_order_one_per_channel_and_outputs_are_mapped_ahead(channels, probes, prefault):
     events = schedule(channels, probes, prefault)
-    copies = {kind: [tuple(ev[1:]) for ev in events if ev[0] == kind] for kind in ("in", "out", "prefault")}
+    copies = {kind: [tuple(ev[1:3]) for ev in events if ev[0] == kind] for kind in ("in", "out", "prefault")}
     covering(copies["in"], ELEMENTS)
     covering(copies["out"], ELEMENTS)
     first_out = next(i for i, ev in enumerate(events) if ev[0] == "out")
@@ -88,3 +88,65 @@ def test_below_two_stripes_the_buffer_goes_whole():
     events = schedule(4, [NEVER], True, elements=4 * MIB - 1)  # 16 MiB less 4 bytes: one stripe
     kinds = [ev[0] for ev in events]
     assert kinds == ["in", "start", "end", "out"], kinds
+
+
+# Note [Streaming a batch through its buffer]: buffers of two to five times the largest chunk (16 MiB)
+# for 96 MiB (8 or 12 MiB chunks) and 320 MiB (16 MiB chunks).
+SLOT = 4 * MIB  # float32 elements in 16 MiB
+
+
+def chunks_of(events):
+    """[(begin, end, where, index of its "in" event)] in order, from the copies in."""
+    return [(ev[1], ev[2], ev[3], i) for i, ev in enumerate(events) if ev[0] == "in"]
+
+
+@pytest.mark.parametrize("elements,buffer_elements", [(ELEMENTS, 5 * SLOT), (ELEMENTS, 2 * SLOT),
+                                                      (80 * MIB + 5, 2 * SLOT), (80 * MIB + 5, 3 * SLOT + 7)])
+@pytest.mark.parametrize("channels", [2, 4])
+@pytest.mark.parametrize("probes", [[0], [3], [NEVER], [0, 40, 3, 400, 1]])
+@pytest.mark.parametrize("prefault", [False, True])
+def test_a_batch_streams_through_a_smaller_buffer_slot_by_slot(elements, buffer_elements, channels, probes, prefault):
+    events = schedule(channels, probes, prefault, elements, buffer_elements)
+    whole = schedule(channels, [0], False, elements)  # the same elements in a buffer that holds them all
+    chunks = chunks_of(events)
+    assert [c[:2] for c in chunks] == [c[:2] for c in chunks_of(whole)]  # the same cut, whatever the buffer
+    covering([c[:2] for c in chunks], elements)
+    covering([tuple(ev[1:3]) for ev in events if ev[0] == "out"], elements)
+    per = chunks[1][1] - chunks[1][0]
+    slots = buffer_elements // per
+    assert slots >= 2
+    starts = {}  # chunk index -> (event index, channel)
+    ends = {}
+    last_out = {}  # chunk index -> index of its last copy out
+    for c, (begin, end, where, _) in enumerate(chunks):
+        assert where == (c % slots) * per and where + (end - begin) <= buffer_elements
+        outs = [i for i, ev in enumerate(events) if ev[0] == "out" and begin <= ev[1] < end]
+        assert all(events[i][3] == where + events[i][1] - begin for i in outs)  # out of its own slot
+        last_out[c] = max(outs)
+    for i, ev in enumerate(events):
+        if ev[0] in ("start", "end"):
+            # the chunk in that slot now: the latest copied in at that offset
+            c = max(k for k, chunk in enumerate(chunks) if chunk[2] == ev[2] and chunk[3] < i)
+            assert ev[3] - ev[2] == chunks[c][1] - chunks[c][0]
+            (starts if ev[0] == "start" else ends)[c] = (i, ev[1])
+    assert sorted(starts) == sorted(ends) == list(range(len(chunks)))  # every chunk started and waited for
+    for c, (begin, end, where, filled) in enumerate(chunks):
+        i, channel = starts[c]
+        assert channel == c % channels and filled < i
+        if c >= channels:
+            assert ends[c - channels][0] < i  # one chunk at a time per channel
+        if c >= slots:
+            assert last_out[c - slots] < filled  # its slot was emptied before it was filled
+        first_out = min(n for n, ev in enumerate(events) if ev[0] == "out" and begin <= ev[1] < end)
+        assert first_out > ends[c][0], "copied out before its chunk ended"
+    mapped = [tuple(ev[1:3]) for ev in events if ev[0] == "prefault"]
+    assert all(a[1] <= b[0] for a, b in zip(mapped, mapped[1:]))  # in order, never twice
+    if not prefault:
+        assert mapped == []
+
+
+def test_a_buffer_too_small_to_stream_through_is_refused():
+    with pytest.raises(RuntimeError, match="cannot stream"):
+        schedule(4, [0], False, ELEMENTS, 2 * SLOT - 1)  # not two of the largest chunks
+    with pytest.raises(RuntimeError, match="stages everything at once"):
+        schedule(1, [0], False, ELEMENTS, 5 * SLOT)  # one channel: one allreduce of everything
