@@ -43,13 +43,14 @@
 // and copied out whole: two passes over the buffer around the transfer, 40 ms of a 950 ms
 // ResNet-50 allreduce across 1 Gbit/s hosts here, where one 102 MB tensor in place took 860.
 // So the channels take a batch of at least 2 x kStripeBytes by element range instead
-// (AllreduceStaged): the buffer is cut into chunks, about kChunksPerChannel per channel, of at
-// least kStripeBytes; chunk c travels on channel c % channels, at most one chunk per channel
+// (AllreduceStaged): the buffer is cut into chunks, about kChunksPerChannel per channel, of
+// kStripeBytes to kMaxChunkBytes; chunk c travels on channel c % channels, at most one chunk per channel
 // at a time (a Gloo group runs two works at once, which would finish the chunks in waves
 // rather than in order). The first chunk starts as soon as it is copied in, the rest are copied
 // in while it travels, and each chunk is finished and copied out as soon as it is reduced,
-// while the next ones travel. Every chunk is copied in before the first is copied out, so a
-// batch whose members share memory stays exact. The cut depends only on the element count and
+// while the next ones travel. In a buffer that holds the whole batch, every chunk is copied in
+// before the first is copied out, so a batch whose members share memory stays exact (a batch
+// streamed through a smaller buffer has members that share none). The cut depends only on the element count and
 // the channel count. The link idles until the first chunk is copied in, so it is a quarter of
 // the others; and chunks are copied out in order, but a channel whose chunk ended starts its
 // next one at once: the thread looks for ended chunks (Work::isCompleted) after every chunk it
@@ -90,7 +91,9 @@
 // that fills a whole buffer (a member that is no memcpy, members that share memory) sends the
 // same chunks. A slot is reused only after its chunk is copied out, so members must not share
 // memory with each other: the executor checks, and stages such a batch in a buffer of its own
-// size.
+// size, allocated for the call, as it does where a member is no memcpy, so that the pooled
+// buffer stays within the threshold. A buffer of fewer slots than channels keeps fewer chunks
+// in flight (a 32 MiB threshold with 16 MiB chunks: two); the default 64 MiB holds four or more.
 #pragma once
 
 #include <ATen/core/Tensor.h>

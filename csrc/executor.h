@@ -89,6 +89,9 @@ class Executor {
   // Note [Streaming a batch through its buffer]: some member's memory overlaps another's (or
   // its own output only partly), so the batch cannot reuse buffer slots.
   static bool MembersShareMemory(const std::vector<Local>& locals, c10::ScalarType wire);
+  // The fusion buffer for a batch of `total` elements staged whole: the pooled one, or one of
+  // its own for a batch planned past the threshold.
+  at::Tensor BatchBuffer(const std::vector<Local>& locals, c10::ScalarType wire, int64_t total);
   // What a failed collective of `kind` on `device` went through, for the error.
   std::string RouteName(CollectiveKind kind, c10::Device device, CollectiveBackend* backend) const;
   // Execute's steps: the entries this rank takes part with; the collective and its errors;

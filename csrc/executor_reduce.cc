@@ -38,6 +38,16 @@ bool Executor::MembersShareMemory(const std::vector<Local>& locals, c10::ScalarT
   return ShmChannel::PiecesOverlap(pieces, wire);
 }
 
+at::Tensor Executor::BatchBuffer(const std::vector<Local>& locals, c10::ScalarType wire, int64_t total) {
+  // Note [Streaming a batch through its buffer]: a batch planned past the threshold that this
+  // rank stages whole gets a buffer for this call only, so the pool stays within the threshold.
+  const c10::Device device = locals.front().entry.input.device();
+  if (locals.size() > 1 && total * static_cast<int64_t>(c10::elementSize(wire)) > fusion_threshold_bytes_) {
+    return at::empty({total}, at::TensorOptions().device(device).dtype(wire));
+  }
+  return buffers_.Get(device, wire, total);
+}
+
 void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   const ReadyItem& item = *locals.front().item;
   const Request& request = item.request;
@@ -120,7 +130,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     const int64_t element = static_cast<int64_t>(c10::elementSize(wire));
     const int64_t slots = fusion_threshold_bytes_ / element;
     const bool streams = total > slots && cpu_route_->StreamsThrough(slots * element) && !MembersShareMemory(locals, wire);
-    at::Tensor buffer = buffers_.Get(first.input.device(), wire, streams ? slots : total);
+    at::Tensor buffer = streams ? buffers_.Get(first.input.device(), wire, slots) : BatchBuffer(locals, wire, total);
     std::vector<int64_t> starts;  // each member's first element in the batch
     int64_t end = 0;
     for (Local& local : locals) {
@@ -163,7 +173,7 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     CollectiveEnds();
     return;
   }
-  at::Tensor buffer = buffers_.Get(first.input.device(), wire, total);
+  at::Tensor buffer = BatchBuffer(locals, wire, total);
   int64_t offset = 0;
   for (Local& local : locals) {
     CopyIn(buffer, offset, local.entry.input);  // Note [Copies into fusion buffers]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hvdlite as hvd
+from hvdlite import ops
 from hvdlite._runtime import state as _state
 from tests.harness import Job, run_ranks
 from tests.multirank._reference import assert_close, assert_members_close, rank_input, reduce_reference
@@ -134,6 +135,26 @@ def _batches_streamed_through_the_buffer():
     mine = by_rank[rank] if rank == 0 else [t.clone() for t in by_rank[rank]]
     got = hvd.grouped_allreduce(mine, op=hvd.Sum, name="streamed.overlapping")
     assert_members_close(got, by_rank, hvd.Sum, torch.float32, f"members sharing memory on rank 0, rank {rank}")
+    # in place, a member inside another: were their slots reused, the inner member would be
+    # copied in long after the outer one's results were written over it, and count them
+    base = [rank_input(63, r, (16 * MIB,), torch.float32) for r in range(size)]
+    mine = base[rank].clone()
+    hvd.grouped_allreduce_([mine, mine[2 * MIB:14 * MIB]], op=hvd.Sum, name="streamed.overlapping_")
+    assert_close(mine, reduce_reference(base, hvd.Sum), torch.float32, f"in-place overlapping members, rank {rank}")
+    # cast on the wire by the engine (Note [Casting on the wire]): float16 chunks of float32
+    # members; float64 members
+    by_rank = [[rank_input(80 + i, r, (n,), torch.float32) for i, n in enumerate(sizes)] for r in range(size)]
+    got = [t.clone() for t in by_rank[rank]]
+    hvd.synchronize(ops.allreduce_on_wire_async_(got, torch.float16, "streamed.wire", hvd.Sum, 1.0, 1.0,
+                                                 hvd.global_process_set, grouped=True))
+    for i, t in enumerate(got):  # float32 results within float16's precision
+        want = reduce_reference([members[i] for members in by_rank], hvd.Sum)
+        assert t.dtype == torch.float32 and torch.allclose(t, want.to(torch.float32), rtol=1e-2, atol=1e-2 * size), \
+            f"float32 as float16 on the wire, rank {rank}, member {i}"
+
+    by_rank = [[rank_input(90 + i, r, (n // 2,), torch.float64) for i, n in enumerate(sizes)] for r in range(size)]
+    got = hvd.grouped_allreduce(by_rank[rank], op=hvd.Average, name="streamed.float64")
+    assert_members_close(got, by_rank, hvd.Average, torch.float64, f"float64, rank {rank}")
     by_rank = [[rank_input(70 + i, r, (n,), torch.float32) for i, n in enumerate(sizes)] for r in range(size)]
     if rank == size - 1:
         hvd.join()
