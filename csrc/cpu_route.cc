@@ -141,10 +141,7 @@ class GlooChannelsRoute : public CpuRoute {
     // Note [Streaming a batch through its buffer]: chunk c is staged in slot c % slots; a buffer
     // that holds all n is one slot per chunk.
     const bool ring = buffer.numel() < n;
-    if (ring && !StreamsThrough(buffer.numel() * element)) {
-      throw std::logic_error("a staging buffer of " + std::to_string(buffer.numel()) + " elements for " +
-                             std::to_string(n) + " on a route that cannot stream them");
-    }
+    if (ring && !StreamsThrough(buffer.numel() * element)) throw TooSmall(buffer, n, "cannot stream them");
     // The first chunk is a quarter of the others: the link idles until it is copied in.
     std::vector<at::Tensor> chunks;
     std::vector<int64_t> begins;
@@ -255,11 +252,13 @@ class GlooChannelsRoute : public CpuRoute {
 
 }  // namespace
 
+std::logic_error CpuRoute::TooSmall(const at::Tensor& buffer, int64_t n, const char* why) {
+  return std::logic_error("a staging buffer of " + std::to_string(buffer.numel()) + " elements for " +
+                          std::to_string(n) + " on a route that " + why);
+}
+
 at::Tensor CpuRoute::CoverAll(at::Tensor& buffer, int64_t n) {
-  if (buffer.numel() < n) {
-    throw std::logic_error("a staging buffer of " + std::to_string(buffer.numel()) + " elements for " +
-                           std::to_string(n) + " on a route that stages everything at once");
-  }
+  if (buffer.numel() < n) throw TooSmall(buffer, n, "stages everything at once");
   return buffer.numel() == n ? buffer : buffer.narrow(0, 0, n);
 }
 

@@ -44,14 +44,14 @@
 // ResNet-50 allreduce across 1 Gbit/s hosts here, where one 102 MB tensor in place took 860.
 // So the channels take a batch of at least 2 x kStripeBytes by element range instead
 // (AllreduceStaged): the buffer is cut into chunks, about kChunksPerChannel per channel, of
-// kStripeBytes to kMaxChunkBytes; chunk c travels on channel c % channels, at most one chunk per channel
-// at a time (a Gloo group runs two works at once, which would finish the chunks in waves
-// rather than in order). The first chunk starts as soon as it is copied in, the rest are copied
-// in while it travels, and each chunk is finished and copied out as soon as it is reduced,
-// while the next ones travel. In a buffer that holds the whole batch, every chunk is copied in
-// before the first is copied out, so a batch whose members share memory stays exact (a batch
-// streamed through a smaller buffer has members that share none). The cut depends only on the element count and
-// the channel count. The link idles until the first chunk is copied in, so it is a quarter of
+// kStripeBytes to kMaxChunkBytes; chunk c travels on channel c % channels, at most one chunk
+// per channel at a time (a Gloo group runs two works at once, which would finish the chunks in
+// waves rather than in order). The first chunk starts as soon as it is copied in, the rest are
+// copied in while it travels, and each chunk is finished and copied out as soon as it is
+// reduced, while the next ones travel. In a buffer that holds the whole batch, every chunk is
+// copied in before the first is copied out, so a batch whose members share memory stays exact
+// (a batch streamed through a smaller buffer has members that share none). The cut depends
+// only on the element count and the channel count. The link idles until the first chunk is copied in, so it is a quarter of
 // the others; and chunks are copied out in order, but a channel whose chunk ended starts its
 // next one at once: the thread looks for ended chunks (Work::isCompleted) after every chunk it
 // copies in and every megabyte it copies out. Measured with bench/linkprofile.py (102 MB over
@@ -100,6 +100,7 @@
 
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -158,6 +159,8 @@ class CpuRoute {
  protected:
   // The first n elements of a buffer that must hold them all.
   static at::Tensor CoverAll(at::Tensor& buffer, int64_t n);
+  // A staging buffer too small for n elements on this route, and why.
+  static std::logic_error TooSmall(const at::Tensor& buffer, int64_t n, const char* why);
 };
 
 // What the engine was given; the pointers stay owned by the engine.

@@ -356,9 +356,9 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   const size_t ready = round.ready.size();
   const int64_t at_us = job_base_us + (exchanged_us - my_base_us);
   if (!round.quiet || !round.stall_warning.empty()) AfterDecisions(round, at_us);
-  std::vector<Batch> batches = PlanBatches(std::move(round.ready), params_.fusion_threshold_bytes,
-                                           executor_.StreamsCpuBatches(params_.fusion_threshold_bytes));
   executor_.SetFusionThreshold(params_.fusion_threshold_bytes);
+  std::vector<Batch> batches =
+      PlanBatches(std::move(round.ready), params_.fusion_threshold_bytes, executor_.StreamsCpuBatches());
   const auto t2 = Clock::now();
   if (recording) {
     recorder_.RecordNegotiation(std::chrono::duration<double>(t2 - t0).count(), cache_hits,

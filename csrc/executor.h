@@ -73,7 +73,7 @@ class Executor {
   // plans with (it sizes the buffer that larger CPU batches stream through), and whether the
   // CPU route streams through a buffer of that size.
   void SetFusionThreshold(int64_t bytes) { fusion_threshold_bytes_ = bytes; }
-  bool StreamsCpuBatches(int64_t threshold_bytes) const { return cpu_route_->StreamsThrough(threshold_bytes); }
+  bool StreamsCpuBatches() const { return cpu_route_->StreamsThrough(fusion_threshold_bytes_); }
   void ReleaseBuffers() { buffers_.Clear(); }
   // The way CPU reductions travel (Note [CPU routes]), for logs and the timeline.
   std::string CpuRouteName() const { return cpu_route_->name(); }
@@ -86,9 +86,12 @@ class Executor {
     std::vector<int64_t> aux;
   };
   CollectiveBackend* BackendFor(c10::Device device);
-  // Note [Streaming a batch through its buffer]: some member's memory overlaps another's (or
-  // its own output only partly), so the batch cannot reuse buffer slots.
-  static bool MembersShareMemory(const std::vector<Local>& locals, c10::ScalarType wire);
+  // Every member's input and output can be copied by byte range.
+  static bool AllMemcpyable(const std::vector<Local>& locals);
+  // The members' memory as pieces (empty members left out): the shared-memory route fuses them
+  // straight (Note [Fusing straight into shared memory]), and any overlap among them keeps a
+  // batch out of slots reused (Note [Streaming a batch through its buffer]).
+  static std::vector<ShmChannel::Piece> PiecesOf(const std::vector<Local>& locals, c10::ScalarType wire);
   // The fusion buffer for a batch of `total` elements staged whole: the pooled one, or one of
   // its own for a batch planned past the threshold.
   at::Tensor BatchBuffer(const std::vector<Local>& locals, c10::ScalarType wire, int64_t total);

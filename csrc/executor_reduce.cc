@@ -23,9 +23,12 @@ std::pair<int64_t, int64_t> ScatterRange(int64_t rows, int rank, int size) {
 
 }  // namespace
 
-// Note [Streaming a batch through its buffer] (cpu_route.h): whether some member reads or
-// writes memory that another member (or its own output, partly) also touches.
-bool Executor::MembersShareMemory(const std::vector<Local>& locals, c10::ScalarType wire) {
+bool Executor::AllMemcpyable(const std::vector<Local>& locals) {
+  return std::all_of(locals.begin(), locals.end(),
+                     [](const Local& l) { return Memcpyable(l.entry.input) && Memcpyable(l.entry.output); });
+}
+
+std::vector<ShmChannel::Piece> Executor::PiecesOf(const std::vector<Local>& locals, c10::ScalarType wire) {
   std::vector<ShmChannel::Piece> pieces;
   pieces.reserve(locals.size());
   for (const Local& local : locals) {
@@ -35,7 +38,7 @@ bool Executor::MembersShareMemory(const std::vector<Local>& locals, c10::ScalarT
                       local.entry.input.numel() * static_cast<int64_t>(c10::elementSize(wire)),
                       local.entry.input.scalar_type()});
   }
-  return ShmChannel::PiecesOverlap(pieces, wire);
+  return pieces;
 }
 
 at::Tensor Executor::BatchBuffer(const std::vector<Local>& locals, c10::ScalarType wire, int64_t total) {
@@ -69,19 +72,8 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   const int64_t wire_bytes = total * static_cast<int64_t>(c10::elementSize(wire));
   if (!scatter && total > 0 && first.input.device().is_cpu() && cpu_route_->FusesInPlace(wire_bytes, casts)) {
     // Note [Fusing straight into shared memory] (shm_channel.h)
-    std::vector<ShmChannel::Piece> pieces;
-    pieces.reserve(locals.size());
-    for (Local& local : locals) {
-      if (!Memcpyable(local.entry.input) || !Memcpyable(local.entry.output)) {
-        pieces.clear();
-        break;
-      }
-      if (local.entry.input.numel() == 0) continue;
-      pieces.push_back({static_cast<const char*>(local.entry.input.data_ptr()),
-                        static_cast<char*>(local.entry.output.data_ptr()),
-                        local.entry.input.numel() * static_cast<int64_t>(c10::elementSize(wire)),
-                        local.entry.input.scalar_type()});
-    }
+    const std::vector<ShmChannel::Piece> pieces = AllMemcpyable(locals) ? PiecesOf(locals, wire)
+                                                                        : std::vector<ShmChannel::Piece>();
     if (!pieces.empty() && !ShmChannel::PiecesOverlap(pieces, wire)) {
       const double prescale = request.prescale;
       CollectiveStarts();
@@ -120,16 +112,14 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
   }
   // Note [Reducescatter over Gloo]: a reducescatter reduces the whole (fused) buffer and keeps
   // this rank's rows; it fuses like allreduce and handles uneven row counts.
-  if (!scatter && total > 0 && first.input.device().is_cpu() &&
-      std::all_of(locals.begin(), locals.end(), [](const Local& l) {
-        return Memcpyable(l.entry.input) && Memcpyable(l.entry.output);
-      })) {
+  if (!scatter && total > 0 && first.input.device().is_cpu() && AllMemcpyable(locals)) {
     // Note [Pipelined fusion over channels] (cpu_route.h): the route copies by element range,
     // through a buffer of the threshold's size where it streams (Note [Streaming a batch
-    // through its buffer]) and the members share no memory.
+    // through its buffer]) and no member's memory overlaps another's (or its own output, partly).
     const int64_t element = static_cast<int64_t>(c10::elementSize(wire));
     const int64_t slots = fusion_threshold_bytes_ / element;
-    const bool streams = total > slots && cpu_route_->StreamsThrough(slots * element) && !MembersShareMemory(locals, wire);
+    const bool streams = total > slots && cpu_route_->StreamsThrough(slots * element) &&
+                         !ShmChannel::PiecesOverlap(PiecesOf(locals, wire), wire);
     at::Tensor buffer = streams ? buffers_.Get(first.input.device(), wire, slots) : BatchBuffer(locals, wire, total);
     std::vector<int64_t> starts;  // each member's first element in the batch
     int64_t end = 0;
