@@ -371,6 +371,7 @@ PYBIND11_MODULE(_core, m) {
                                return py::make_tuple(c.rounds(), c.second_exchanges(), c.slot_bytes());
                              })
       .def_property_readonly("_straight_shares", &Engine::straight_shares)
+      .def_property_readonly("_single_copy_blocks", &Engine::single_copy_blocks)
       .def("_set_single_copy_min", &Engine::SetSingleCopyMin, py::arg("min_bytes"))
       .def_property_readonly("single_copy", &Engine::single_copy)
       .def_property_readonly("fusion_threshold_bytes",

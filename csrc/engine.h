@@ -210,6 +210,8 @@ class Engine {
   }
   // Note [Own share straight from the input] (shm_channel.h): chunks so reduced (tests).
   uint64_t straight_shares() const { return shm_ ? shm_->straight_shares() : 0; }
+  // Note [Single-copy allreduce] (shm_channel.h): blocks this rank reduced (tests).
+  uint64_t single_copy_blocks() const { return shm_ ? shm_->single_copy_blocks() : 0; }
   bool hierarchical() const { return hierarchical_; }
 
   // Note [Straggler attribution], [Flight record] and [Metrics]: read by Python threads.

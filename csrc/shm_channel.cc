@@ -82,7 +82,7 @@ void FutexWakeAll(std::atomic<uint32_t>* word) {
 }  // namespace
 
 size_t ShmChannel::HeaderBytes(int size) {
-  const size_t bytes = 64 + 64 * static_cast<size_t>(size);
+  const size_t bytes = 128 + 64 * static_cast<size_t>(size);
   return (bytes + 4095) / 4096 * 4096;
 }
 
@@ -147,6 +147,9 @@ ShmChannel::ShmChannel(const std::string& name, int rank, int size, std::vector<
   // Test hook (tests/multirank/test_shared_memory.py): this rank pauses inside every allreduce
   // before its first barrier, so a test can kill it while the others wait in the channel.
   if (const char* delay = std::getenv("HVDLITE_TEST_SHM_DELAY_MS")) test_delay_ms_ = std::atoll(delay);
+  // Test hook (tests/multirank/test_single_copy.py): this rank pauses after every block it
+  // reduces in a single-copy allreduce, so its peers claim the rest.
+  if (const char* delay = std::getenv("HVDLITE_TEST_SHM_CLAIM_DELAY_US")) test_claim_delay_us_ = std::atoll(delay);
 }
 
 ShmChannel::~ShmChannel() {
@@ -156,11 +159,15 @@ ShmChannel::~ShmChannel() {
 }
 
 std::atomic<uint64_t>& ShmChannel::Arrived(int rank) const {
-  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + 64 + 64 * rank);
+  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + 128 + 64 * rank);
 }
 
 std::atomic<uint32_t>& ShmChannel::Inside(int rank) const {
-  return *reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base_) + 64 + 64 * rank + 8);
+  return *reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base_) + 128 + 64 * rank + 8);
+}
+
+std::atomic<uint64_t>& ShmChannel::Claims() const {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + 64);
 }
 
 void ShmChannel::AwaitPeersOut() {

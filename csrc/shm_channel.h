@@ -73,14 +73,22 @@
 // processes read and write each other's memory (process_vm_readv/writev, "CMA": same user, no
 // ptrace restriction between them), a large allreduce skips the segment's data banks: each rank
 // publishes where its input and output bytes are (a list of spans in its slot of the next bank),
-// one barrier, then each rank reduces its own share of the elements straight out of every
-// rank's input (its own by plain loads, the others' by process_vm_readv into a block that stays
-// in cache), applies `finish` to it, and writes it straight into every rank's output
-// (process_vm_writev; its own by memcpy); a second barrier ends the collective, after which no
-// one touches this rank's memory. Only rank r ever reads or writes share r of any rank's
-// tensors, so in-place allreduces are safe without further barriers. Every rank combines the
-// contributions in rank order on the same block boundaries as the staged path's kernels, so the
-// two paths give bit-identical results. Measured on the 2-core reference VM: CMA moves 5-6 GB/s
+// one barrier, then the ranks claim 256 KB blocks of the elements from a counter in the header
+// (Claims). Whoever claims a block reduces it straight out of every rank's input (its own by
+// plain loads, the others' by process_vm_readv into a block that stays in cache), applies
+// `finish` to it, and writes it straight into every rank's output (process_vm_writev; its own by
+// memcpy); a second barrier ends the collective, after which no one touches this rank's memory.
+// Each block is read and written by the one rank that claimed it, so in-place allreduces are
+// safe without further barriers. Every rank combines the contributions in rank order, element
+// by element as the staged path's kernels do, so the two paths give bit-identical results.
+// Claiming rather than a fixed share per rank matters in a training step: with one core per
+// rank, a rank still in its backward pass shares its core with its engine thread while a rank
+// that finished waits, so the waiting rank's engine takes most of the blocks. On the 2-core VM
+// the MLP step of bench/training.py went from a median 0.773x DDP to 0.741x (seven runs each,
+// the two builds alternated). Every rank resets the counter before the first barrier: all of
+// them passed the previous single-copy allreduce's closing barrier, so none still claims, and
+// none claims before that first barrier. tests/multirank/test_single_copy.py slows one rank
+// (HVDLITE_TEST_SHM_CLAIM_DELAY_US) and checks that the others take its blocks. Measured on the 2-core reference VM: CMA moves 5-6 GB/s
 // into a cached block where memcpy moves ~25 GB/s, so below kSingleCopyMinBytes (8 MB, where
 // the two crossed in bench/one_host.py: 4 MB 0.96 against 0.91 ms staged, 8 MB 1.73 against
 // 1.87) the staged path, whose slots stay in cache and which makes no system calls, is faster.
@@ -148,6 +156,8 @@ class ShmChannel {
   // Chunks whose share this rank reduced straight from its input (Note [Own share straight
   // from the input]; tests).
   uint64_t straight_shares() const { return straight_shares_.load(); }
+  // Blocks of single-copy allreduces this rank reduced (Note [Single-copy allreduce]; tests).
+  uint64_t single_copy_blocks() const { return single_copy_blocks_.load(); }
 
   // Every rank's bytes (Note [Control exchange through shared memory]). False when some rank's
   // message is larger than a slot: `lengths` then holds every rank's length for the fallback.
@@ -238,7 +248,8 @@ class ShmChannel {
   static constexpr int64_t kHierarchicalChunk = 2LL << 20;
 
  private:
-  // The header page: the words below, then one arrival counter per rank at 64 + 64 * rank.
+  // The header page: the words below, the claim counter of Note [Single-copy allreduce] on its
+  // own cache line at 64, then one arrival counter per rank at 128 + 64 * rank.
   struct Header {
     std::atomic<uint32_t> futex;    // bumped by every arrival; sleepers wait on it
     std::atomic<int32_t> sleepers;  // ranks asleep (or about to be) on `futex`
@@ -253,6 +264,8 @@ class ShmChannel {
   // Note [Single-copy allreduce]: 1 while `rank` may still read or write its peers' tensors (the
   // word after its arrival counter, on the same cache line).
   std::atomic<uint32_t>& Inside(int rank) const;
+  // Note [Single-copy allreduce]: the next block of the current single-copy allreduce to claim.
+  std::atomic<uint64_t>& Claims() const;
   // After this rank failed inside a single-copy allreduce: waits (at most 10 s) until every
   // peer that is alive and not stopped has left it, so none writes into tensors this rank is
   // about to free.
@@ -309,11 +322,13 @@ class ShmChannel {
   uint64_t barriers_ = 0;  // barriers this rank has completed
   const std::atomic<int>* callers_waiting_ = nullptr;  // Note [Yield only while a caller waits]
   std::atomic<uint64_t> waits_yielded_{0};
+  std::atomic<uint64_t> single_copy_blocks_{0};
   std::atomic<uint64_t> waits_slept_{0};
   std::atomic<uint64_t> straight_shares_{0};
   int bank_ = 0;
   int control_bank_ = 0;
   int64_t test_delay_ms_ = 0;  // HVDLITE_TEST_SHM_DELAY_MS, a test hook (see the constructor)
+  int64_t test_claim_delay_us_ = 0;  // HVDLITE_TEST_SHM_CLAIM_DELAY_US, likewise
   int64_t chunk_ = 0;  // bytes per slot (ChunkBytes)
   // Note [Single-copy allreduce]: whether the probe allowed it, and 0 (off) or the smallest
   // allreduce it takes.

@@ -95,6 +95,9 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
     std::memcpy(mine, counts, sizeof(counts));
     std::memcpy(mine + 16, in.data(), 16 * in.size());
     std::memcpy(mine + 16 + 16 * in.size(), out.data(), 16 * out.size());
+    // Every rank left the last single-copy allreduce's closing barrier, so none claims from the
+    // counter any more; every rank resets it, and none claims before the barrier below.
+    Claims().store(0);
     Inside(rank_).store(1);
     Barrier();
 
@@ -188,18 +191,18 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
       return buffer;
     };
 
-    // This rank's share: elements [begin, end), whole cache lines where the count allows.
-    const int64_t align = std::max<int64_t>(1, 64 / element);
-    int64_t share = (total + size_ - 1) / size_;
-    share = (share + align - 1) / align * align;
-    const int64_t begin = std::min(total, rank_ * share), end = std::min(total, begin + share);
-    const int64_t per_block = kBlockBytes / element;
-    for (int64_t offset = begin; offset < end; offset += per_block) {
+    // Blocks are claimed from the shared counter, each by one rank: a rank whose core is free
+    // (its own backward pass over) takes more of them than one whose core is still computing.
+    const int64_t per_block = kBlockBytes / element;  // whole cache lines
+    const uint64_t block_count = static_cast<uint64_t>((total + per_block - 1) / per_block);
+    for (uint64_t claimed = Claims().fetch_add(1); claimed < block_count; claimed = Claims().fetch_add(1)) {
       if (const int32_t aborted = header_->abort.load(); aborted != 0) {  // a peer failed: stop touching its memory
         throw std::runtime_error("rank " + std::to_string(ranks_[aborted - 1]) +
                                  " stopped taking part in the shared-memory channel");
       }
-      const int64_t n = std::min(per_block, end - offset);
+      const int64_t offset = static_cast<int64_t>(claimed) * per_block;
+      const int64_t n = std::min(per_block, total - offset);
+      ++single_copy_blocks_;
       const uint64_t at = static_cast<uint64_t>(offset * element), bytes = static_cast<uint64_t>(n * element);
       // The sum goes straight into this rank's output where one span holds the block and this
       // rank's own input is read by the first Combine (ranks 0 and 1), so an in-place output
@@ -224,8 +227,9 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
       for (int r = 0; r < size_; ++r) {
         if (r != rank_ || target == block[0]) transfer(r, 1, at, bytes, target);
       }
+      if (test_claim_delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(test_claim_delay_us_));
     }
-    Barrier();  // every share is in every output; no one reads this rank's input any more
+    Barrier();  // every block is in every output; no one reads this rank's input any more
     Inside(rank_).store(0);
   } catch (...) {
     Inside(rank_).store(0);

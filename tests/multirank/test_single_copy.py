@@ -115,3 +115,52 @@ def test_verbose_log_and_timeline_name_the_path(tmp_path):
         events = json.load(f)
     routes = [e for e in events if e.get("name") == "cpu route"]
     assert routes and routes[0]["args"]["route"] == "shared memory (single copy from 8 MB)", routes
+
+
+BLOCK = 256 << 10  # bytes per claimed block (kBlockBytes in csrc/shm_single_copy.cc)
+
+
+def _slow_claimer(slow):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    engine = _state.current().sets[0].engine
+    assert engine.single_copy
+    numel = 2 * MIN // 4 + 7  # 64 blocks and a few elements
+    blocks = -(-numel * 4 // BLOCK)
+    inputs = [rank_input(70, r, (numel,), torch.float32) for r in range(size)]
+    counts = []
+    for op, pre, post, in_place in [(hvd.Sum, 1.0, 1.0, False), (hvd.Sum, 2.0, 0.25, False),
+                                    (hvd.Average, 1.0, 1.0, True), (hvd.Max, 1.0, 1.0, True)]:
+        results = {}
+        for threshold in (1, 0):  # claimed blocks, then the staged path, in the same job
+            assert engine._set_single_copy_min(threshold)
+            before = engine._single_copy_blocks
+            name = f"slow.{op}.{pre}.{in_place}.{threshold}"
+            if in_place:
+                results[threshold] = inputs[rank].clone()
+                hvd.allreduce_(results[threshold], op=op, name=name, prescale_factor=pre, postscale_factor=post)
+            else:
+                results[threshold] = hvd.allreduce(inputs[rank], op=op, name=name, prescale_factor=pre,
+                                                   postscale_factor=post)
+            if threshold == 1:
+                counts.append(engine._single_copy_blocks - before)
+        what = f"op {op} pre {pre} in place {in_place} on rank {rank}, rank {slow} slow"
+        assert torch.equal(results[1], results[0]), f"{what}: claimed blocks and the staged path differ"
+        assert_close(results[1], reduce_reference(inputs, op, pre, post), torch.float32, what)
+    everyone = hvd.allgather_object(counts)
+    hvd.shutdown()
+    return everyone, blocks
+
+
+@pytest.mark.parametrize("size,slow", [(2, 0), (2, 1), (3, 2)])
+def test_a_busy_rank_leaves_its_blocks_to_the_others(size, slow):
+    # The slow rank pauses after each block it reduces: every block must still be reduced once,
+    # by one rank, into every rank's output, and the others must have taken most of them.
+    results = Job(size, __name__, "_slow_claimer", slow,
+                  rank_env_extra={slow: {"HVDLITE_TEST_SHM_CLAIM_DELAY_US": "20000"}}).wait(timeout=180)
+    everyone, blocks = results[0]
+    assert all(r == results[0] for r in results), results
+    for case in range(len(everyone[0])):
+        taken = [everyone[r][case] for r in range(size)]
+        assert sum(taken) == blocks, (case, taken, blocks)
+        assert taken[slow] <= blocks // (4 * size), (case, taken)
