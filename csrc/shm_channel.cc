@@ -82,7 +82,7 @@ void FutexWakeAll(std::atomic<uint32_t>* word) {
 }  // namespace
 
 size_t ShmChannel::HeaderBytes(int size) {
-  const size_t bytes = 128 + 64 * static_cast<size_t>(size);
+  const size_t bytes = kArrivalsAt + 64 * static_cast<size_t>(size);
   return (bytes + 4095) / 4096 * 4096;
 }
 
@@ -159,15 +159,15 @@ ShmChannel::~ShmChannel() {
 }
 
 std::atomic<uint64_t>& ShmChannel::Arrived(int rank) const {
-  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + 128 + 64 * rank);
+  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + kArrivalsAt + 64 * rank);
 }
 
 std::atomic<uint32_t>& ShmChannel::Inside(int rank) const {
-  return *reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base_) + 128 + 64 * rank + 8);
+  return *reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base_) + kArrivalsAt + 64 * rank + 8);
 }
 
 std::atomic<uint64_t>& ShmChannel::Claims() const {
-  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + 64);
+  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + kClaimsAt);
 }
 
 void ShmChannel::AwaitPeersOut() {

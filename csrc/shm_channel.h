@@ -88,10 +88,11 @@
 // the two builds alternated). Every rank resets the counter before the first barrier: all of
 // them passed the previous single-copy allreduce's closing barrier, so none still claims, and
 // none claims before that first barrier. tests/multirank/test_single_copy.py slows one rank
-// (HVDLITE_TEST_SHM_CLAIM_DELAY_US) and checks that the others take its blocks. Measured on the 2-core reference VM: CMA moves 5-6 GB/s
-// into a cached block where memcpy moves ~25 GB/s, so below kSingleCopyMinBytes (8 MB, where
-// the two crossed in bench/one_host.py: 4 MB 0.96 against 0.91 ms staged, 8 MB 1.73 against
-// 1.87) the staged path, whose slots stay in cache and which makes no system calls, is faster.
+// (HVDLITE_TEST_SHM_CLAIM_DELAY_US) and checks that the others take its blocks.
+// Measured on the 2-core reference VM: CMA moves 5-6 GB/s into a cached block where memcpy
+// moves ~25 GB/s, so below kSingleCopyMinBytes (8 MB, where the two crossed in
+// bench/one_host.py: 4 MB 0.96 against 0.91 ms staged, 8 MB 1.73 against 1.87) the staged path,
+// whose slots stay in cache and which makes no system calls, is faster.
 // Since each rank reads its own share in place (Note [Own share straight from the input]) the
 // two come close from 8 to 32 MB (8 MB 0.65-0.71x the floor single copy, 0.75-0.76x staged;
 // 32 MB 0.63-0.64x against 0.75-0.81x), so the threshold stays.
@@ -249,7 +250,8 @@ class ShmChannel {
 
  private:
   // The header page: the words below, the claim counter of Note [Single-copy allreduce] on its
-  // own cache line at 64, then one arrival counter per rank at 128 + 64 * rank.
+  // own cache line at kClaimsAt, then one arrival counter per rank at kArrivalsAt + 64 * rank.
+  static constexpr size_t kClaimsAt = 64, kArrivalsAt = 128;
   struct Header {
     std::atomic<uint32_t> futex;    // bumped by every arrival; sleepers wait on it
     std::atomic<int32_t> sleepers;  // ranks asleep (or about to be) on `futex`
@@ -322,9 +324,9 @@ class ShmChannel {
   uint64_t barriers_ = 0;  // barriers this rank has completed
   const std::atomic<int>* callers_waiting_ = nullptr;  // Note [Yield only while a caller waits]
   std::atomic<uint64_t> waits_yielded_{0};
-  std::atomic<uint64_t> single_copy_blocks_{0};
   std::atomic<uint64_t> waits_slept_{0};
   std::atomic<uint64_t> straight_shares_{0};
+  std::atomic<uint64_t> single_copy_blocks_{0};
   int bank_ = 0;
   int control_bank_ = 0;
   int64_t test_delay_ms_ = 0;  // HVDLITE_TEST_SHM_DELAY_MS, a test hook (see the constructor)

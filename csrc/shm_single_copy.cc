@@ -195,14 +195,14 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
     // (its own backward pass over) takes more of them than one whose core is still computing.
     const int64_t per_block = kBlockBytes / element;  // whole cache lines
     const uint64_t block_count = static_cast<uint64_t>((total + per_block - 1) / per_block);
-    for (uint64_t claimed = Claims().fetch_add(1); claimed < block_count; claimed = Claims().fetch_add(1)) {
+    uint64_t reduced = 0;  // blocks this rank claimed (single_copy_blocks_, for tests)
+    for (uint64_t claimed = Claims().fetch_add(1); claimed < block_count; claimed = Claims().fetch_add(1), ++reduced) {
       if (const int32_t aborted = header_->abort.load(); aborted != 0) {  // a peer failed: stop touching its memory
         throw std::runtime_error("rank " + std::to_string(ranks_[aborted - 1]) +
                                  " stopped taking part in the shared-memory channel");
       }
       const int64_t offset = static_cast<int64_t>(claimed) * per_block;
       const int64_t n = std::min(per_block, total - offset);
-      ++single_copy_blocks_;
       const uint64_t at = static_cast<uint64_t>(offset * element), bytes = static_cast<uint64_t>(n * element);
       // The sum goes straight into this rank's output where one span holds the block and this
       // rank's own input is read by the first Combine (ranks 0 and 1), so an in-place output
@@ -229,6 +229,7 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
       }
       if (test_claim_delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(test_claim_delay_us_));
     }
+    single_copy_blocks_ += reduced;
     Barrier();  // every block is in every output; no one reads this rank's input any more
     Inside(rank_).store(0);
   } catch (...) {
