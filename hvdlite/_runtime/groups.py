@@ -2,13 +2,13 @@
 
 Each engine (the global one, and one per process set) gets a Gloo group for negotiation,
 HVDLITE_CPU_CHANNELS Gloo groups for CPU data (large allreduces are striped over them, Note
-[CPU channels] in csrc/cpu_route.h), an NCCL group where CUDA is available, and, when all its
-ranks run on one host, a shared-memory channel for CPU allreduces (Note [Shared-memory
-allreduce] in csrc/shm_channel.h), or, with HVDLITE_HIERARCHICAL_ALLREDUCE=1 across hosts, one
-channel per host and a Gloo group among each host's first rank (Note [Hierarchical allreduce] in
-csrc/cpu_route.h). The settings
-mapping is the same on every rank for the job-wide variables (Note [Job-wide settings] in
-csrc/config.h), so every rank creates the same groups.
+[CPU channels] in csrc/cpu_route.h; one where shared memory carries them), an NCCL group where
+CUDA is available, and, when all its ranks run on one host, a shared-memory channel for CPU
+allreduces (Note [Shared-memory allreduce] in csrc/shm_channel.h), or, with
+HVDLITE_HIERARCHICAL_ALLREDUCE=1 across hosts, one channel per host and a Gloo group among each
+host's first rank (Note [Hierarchical allreduce] in csrc/cpu_route.h). The settings mapping is
+the same on every rank for the job-wide variables (Note [Job-wide settings] in csrc/config.h),
+so every rank creates the same groups.
 """
 
 import datetime
@@ -187,6 +187,17 @@ def _local_paths(store, base, rank, size, options, members, loopback):
     if local[0] == rank:  # the host's first rank joins the group of first ranks
         cross = _gloo_group(dist.PrefixStore(base + "cross", store), host, len(hosts), loopback)
     return channel, cross, True
+
+
+def _cpu_channel_count(options, shm, hierarchical):
+    """How many Gloo groups carry this engine's CPU data (Note [CPU channels] in
+    csrc/cpu_route.h). With a shared-memory channel and no hierarchical route, every CPU
+    allreduce goes through shared memory and only the first group carries anything (the
+    collectives the channel does not run), so the others are not made: each Gloo group brings a
+    loop thread that wakes every 10 ms (about 1.5 ms of CPU a second per group on the 2-core
+    VM), two worker threads and a connection per peer. `shm` and `hierarchical` are the same on
+    every rank, so every rank makes the same groups."""
+    return 1 if shm is not None and not hierarchical else options["cpu_channels"]
 
 
 def timeline_for(settings, label):

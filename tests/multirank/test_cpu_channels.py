@@ -188,3 +188,33 @@ def test_channel_count_is_rank_0s_when_ranks_disagree():
     job = Job(2, __name__, "_striped_allreduces", env={"HVDLITE_CPU_CHANNELS": "3", **GLOO_ONLY},
               rank_env_extra={1: {"HVDLITE_CPU_CHANNELS": "1"}})
     assert all(job.wait(timeout=120))
+
+
+def _groups_made(channels, with_set):
+    """How many CPU groups each engine made, and the collectives shared memory does not run
+    (alltoall, reducescatter) still exact over the one group left where the channel is on."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    pset = hvd.add_process_set(list(range(size))) if with_set else None
+    runtimes = list(_state.current().sets.values())
+    for runtime in runtimes:
+        expected = 1 if runtime.engine.shared_memory else channels
+        assert len(runtime.groups[1]) == expected, \
+            f"rank {rank}: {len(runtime.groups[1])} CPU groups, expected {expected}"
+    for seed, where in [(70, hvd.global_process_set)] + ([(71, pset)] if pset else []):
+        inputs = [rank_input(seed, r, (3 * size, 5), torch.float32) for r in range(size)]
+        got = hvd.alltoall(inputs[rank], process_set=where, name=f"groups.alltoall.{seed}")
+        want = torch.cat([inputs[r][3 * rank:3 * rank + 3] for r in range(size)])
+        assert_close(got, want, torch.float32, f"alltoall, rank {rank}")
+        got = hvd.reducescatter(inputs[rank], op=hvd.Sum, process_set=where, name=f"groups.reducescatter.{seed}")
+        want = reduce_reference(inputs, hvd.Sum)[3 * rank:3 * rank + 3]
+        assert_close(got, want, torch.float32, f"reducescatter, rank {rank}")
+    hvd.shutdown()
+    return True
+
+
+@pytest.mark.parametrize("env,channels", [({}, 4), (GLOO_ONLY, 4), ({"HVDLITE_CPU_CHANNELS": "2", **GLOO_ONLY}, 2)])
+def test_shared_memory_jobs_make_one_cpu_group(env, channels):
+    # Where shared memory carries every CPU allreduce, the striping groups would only cost
+    # threads, wakeups and connections; without it, HVDLITE_CPU_CHANNELS of them
+    assert all(run_ranks(2, __name__, "_groups_made", channels, True, timeout=120, env=env))
