@@ -5,7 +5,10 @@ counts that do not divide evenly, and every rank's result is checked against an 
 reference.
 All ranks of these jobs share one host, where CPU allreduces would go through shared memory
 (tests/multirank/test_shared_memory.py); HVDLITE_SHARED_MEMORY=0 keeps them on the channels.
+With shared memory on, an engine makes only one of these groups (the last test).
 """
+
+import os
 
 import pytest
 import torch
@@ -197,7 +200,8 @@ def _groups_made(channels, with_set):
     rank, size = hvd.rank(), hvd.size()
     pset = hvd.add_process_set(list(range(size))) if with_set else None
     runtimes = list(_state.current().sets.values())
-    for runtime in runtimes:
+    for runtime in runtimes:  # one host: shared memory is on unless the job turned it off
+        assert runtime.engine.shared_memory == (os.environ.get("HVDLITE_SHARED_MEMORY") != "0")
         expected = 1 if runtime.engine.shared_memory else channels
         assert len(runtime.groups[1]) == expected, \
             f"rank {rank}: {len(runtime.groups[1])} CPU groups, expected {expected}"
