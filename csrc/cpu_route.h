@@ -36,9 +36,9 @@
 // agreed at init), and an allreduce of at least 2 x kStripeBytes is cut into chunks spread
 // over the channels (Note [Pipelined fusion over channels]; it was first cut into one equal
 // stripe per channel). The cut depends only on the element count and the channel count, so
-// every rank cuts the same way. Where a shared-memory channel carries the CPU allreduces (one
-// host, no hierarchical route), only the first group is made (_cpu_channel_count in
-// hvdlite/_runtime/groups.py): it carries what the channel does not run.
+// every rank cuts the same way. Only this route uses more than the first group, so where
+// ChooseCpuRoute takes another (hierarchical, shared memory) only the first is made
+// (_cpu_channel_count in hvdlite/_runtime/groups.py): it carries what that route does not run.
 //
 // Note [Pipelined fusion over channels]
 // A fused batch on the channels used to be copied into its fusion buffer whole, allreduced,

@@ -2,7 +2,7 @@
 
 Each engine (the global one, and one per process set) gets a Gloo group for negotiation,
 HVDLITE_CPU_CHANNELS Gloo groups for CPU data (large allreduces are striped over them, Note
-[CPU channels] in csrc/cpu_route.h; one where shared memory carries them), an NCCL group where
+[CPU channels] in csrc/cpu_route.h; one where another route carries them), an NCCL group where
 CUDA is available, and, when all its ranks run on one host, a shared-memory channel for CPU
 allreduces (Note [Shared-memory allreduce] in csrc/shm_channel.h), or, with
 HVDLITE_HIERARCHICAL_ALLREDUCE=1 across hosts, one channel per host and a Gloo group among each
@@ -191,13 +191,14 @@ def _local_paths(store, base, rank, size, options, members, loopback):
 
 def _cpu_channel_count(options, shm, hierarchical):
     """How many Gloo groups carry this engine's CPU data (Note [CPU channels] in
-    csrc/cpu_route.h). With a shared-memory channel and no hierarchical route, every CPU
-    allreduce goes through shared memory and only the first group carries anything (the
-    collectives the channel does not run), so the others are not made: each Gloo group brings a
-    loop thread that wakes every 10 ms (0.6-1.7 ms of CPU a second per group on the 2-core
-    VM), two worker threads and a connection per peer. `shm` and `hierarchical` are the same on
-    every rank, so every rank makes the same groups."""
-    return 1 if shm is not None and not hierarchical else options["cpu_channels"]
+    csrc/cpu_route.h). Only the Gloo channels route stripes over several, and ChooseCpuRoute
+    takes it only where there is neither a hierarchical route nor a shared-memory channel;
+    elsewhere the first group alone carries anything (the collectives those routes do not
+    run), so the others are not made: each Gloo group brings a loop thread that wakes every
+    10 ms (0.6-1.7 ms of CPU a second per group on the 2-core VM), two worker threads and a
+    connection per peer. `shm` and `hierarchical` are the same on every rank, so every rank
+    makes the same groups."""
+    return options["cpu_channels"] if shm is None and not hierarchical else 1
 
 
 def timeline_for(settings, label):

@@ -81,7 +81,7 @@ def main():
     grad = sum(b.sum(0) for b in batches) / size
     assert torch.allclose(model.weight.detach(), w0 - 0.1 * grad.unsqueeze(0), atol=1e-5)
     print(f"HIERARCHICAL rank {rank} of {size} on {socket.gethostname()} hierarchical={engine.hierarchical} "
-          f"shared_memory={engine.shared_memory}", flush=True)
+          f"shared_memory={engine.shared_memory} cpu_groups={len(_state.current().sets[0].groups[1])}", flush=True)
     hvd.shutdown()
 
 

@@ -5,7 +5,8 @@ counts that do not divide evenly, and every rank's result is checked against an 
 reference.
 All ranks of these jobs share one host, where CPU allreduces would go through shared memory
 (tests/multirank/test_shared_memory.py); HVDLITE_SHARED_MEMORY=0 keeps them on the channels.
-With shared memory on, an engine makes only one of these groups (the last test).
+With shared memory on, an engine makes only one of these groups (the last test; the
+hierarchical route's count is checked in tests/multihost/test_multihost.py).
 """
 
 import os
@@ -193,19 +194,18 @@ def test_channel_count_is_rank_0s_when_ranks_disagree():
     assert all(job.wait(timeout=120))
 
 
-def _groups_made(channels, with_set):
+def _groups_made(channels):
     """How many CPU groups each engine made, and the collectives shared memory does not run
     (alltoall, reducescatter) still exact over the one group left where the channel is on."""
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    pset = hvd.add_process_set(list(range(size))) if with_set else None
-    runtimes = list(_state.current().sets.values())
-    for runtime in runtimes:  # one host: shared memory is on unless the job turned it off
+    pset = hvd.add_process_set(list(range(size)))
+    for runtime in _state.current().sets.values():  # one host: shared memory is on unless the job turned it off
         assert runtime.engine.shared_memory == (os.environ.get("HVDLITE_SHARED_MEMORY") != "0")
         expected = 1 if runtime.engine.shared_memory else channels
         assert len(runtime.groups[1]) == expected, \
             f"rank {rank}: {len(runtime.groups[1])} CPU groups, expected {expected}"
-    for seed, where in [(70, hvd.global_process_set)] + ([(71, pset)] if pset else []):
+    for seed, where in [(70, hvd.global_process_set), (71, pset)]:
         inputs = [rank_input(seed, r, (3 * size, 5), torch.float32) for r in range(size)]
         got = hvd.alltoall(inputs[rank], process_set=where, name=f"groups.alltoall.{seed}")
         want = torch.cat([inputs[r][3 * rank:3 * rank + 3] for r in range(size)])
@@ -221,4 +221,4 @@ def _groups_made(channels, with_set):
 def test_shared_memory_jobs_make_one_cpu_group(env, channels):
     # Where shared memory carries every CPU allreduce, the striping groups would only cost
     # threads, wakeups and connections; without it, HVDLITE_CPU_CHANNELS of them
-    assert all(run_ranks(2, __name__, "_groups_made", channels, True, timeout=120, env=env))
+    assert all(run_ranks(2, __name__, "_groups_made", channels, timeout=120, env=env))
