@@ -119,7 +119,10 @@ std::vector<at::Tensor> TorchWork::result() {
 TorchBackend::TorchBackend(std::shared_ptr<Engine> engine)
     : c10d::Backend(engine->rank(), engine->size()), engine_(std::move(engine)) {
   completer_ = std::thread([this] { CompleteLoop(); });
-  deliverer_ = std::thread([this] { DeliverLoop(); });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    deliverers_.emplace_back([this] { DeliverLoop(); });
+  }
 }
 
 TorchBackend::~TorchBackend() { shutdown(); }
@@ -134,23 +137,21 @@ void TorchBackend::shutdown() {
   cv_.notify_all();
   if (completer_.joinable()) completer_.join();  // it delivers everything it took
   delivery_cv_.notify_all();
-  if (deliverer_.joinable()) deliverer_.join();
+  for (std::thread& deliverer : deliverers_) {  // no thread is added once stopping_ is set
+    if (deliverer.joinable()) deliverer.join();
+  }
   // Let go of the engine (its process groups, their sockets); works still held elsewhere keep
   // it until they go.
   engine_.reset();
 }
 
 void TorchBackend::Deliver(std::function<void()> complete) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!delivering_ || stopping_) {
-      deliveries_.push_back(std::move(complete));
-      delivery_cv_.notify_one();
-      return;
-    }
-  }
-  // The delivery thread is inside a callback, which may be waiting for this work.
-  std::thread(std::move(complete)).detach();
+  std::lock_guard<std::mutex> lock(mu_);
+  deliveries_.push_back(std::move(complete));
+  // Every thread is inside a callback, which may be waiting for this work (one that a callback
+  // starts and waits for completes while its thread is busy, so it gets a thread).
+  if (busy_deliverers_ == deliverers_.size() && !stopping_) deliverers_.emplace_back([this] { DeliverLoop(); });
+  delivery_cv_.notify_one();
 }
 
 void TorchBackend::DeliverLoop() {
@@ -160,11 +161,11 @@ void TorchBackend::DeliverLoop() {
     if (deliveries_.empty()) return;
     std::function<void()> complete = std::move(deliveries_.front());
     deliveries_.pop_front();
-    delivering_ = true;
+    ++busy_deliverers_;
     lock.unlock();
     complete();
     lock.lock();
-    delivering_ = false;
+    --busy_deliverers_;
   }
 }
 

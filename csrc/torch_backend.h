@@ -16,8 +16,10 @@
 // the callbacks chained on it (DDP chains its bucket callbacks there, so a future must
 // complete by itself, not only when someone calls wait()), and a callback may itself start a
 // collective and wait for it: PowerSGD's hook does. So the completion thread never runs
-// callbacks; it hands each completion to a delivery thread, and when that thread is still
-// inside an earlier callback (perhaps waiting for this very work), to a thread of its own.
+// callbacks; it hands each completion to a pool of delivery threads, which take them in order,
+// and the pool grows by a thread when every thread it has is inside an earlier callback
+// (perhaps waiting for this very work). The pool's threads live until shutdown() joins them: as many
+// as callbacks were ever nested, one in a job whose callbacks start no collective.
 // No lock and no GIL is held while callbacks run. A failed operation completes the future
 // with a DistBackendError that carries the engine's message (the operation, the ranks, what
 // differs or who was lost). The process group's timeout is the group engine's stall shutdown
@@ -124,8 +126,8 @@ class TorchBackend : public c10d::Backend {
   // One request of `kind` on `input`, `output` (undefined: the engine allocates it).
   EnqueueArgs Request(CollectiveKind kind, const at::Tensor& input, const at::Tensor& output) const;
   void CompleteLoop();
-  // Note [Engine behind a process group]: runs `complete` on the delivery thread, or on a
-  // thread of its own while the delivery thread is busy.
+  // Note [Engine behind a process group]: runs `complete` on an idle delivery thread, or on a
+  // new one where every delivery thread is inside a callback.
   void Deliver(std::function<void()> complete);
   void DeliverLoop();
 
@@ -137,9 +139,9 @@ class TorchBackend : public c10d::Backend {
   bool completer_running_ = true;                      // under mu_
   std::thread completer_;
   std::deque<std::function<void()>> deliveries_;  // under mu_
-  bool delivering_ = false;                       // under mu_: the delivery thread runs one
+  size_t busy_deliverers_ = 0;                    // under mu_: delivery threads inside a callback
   std::condition_variable delivery_cv_;
-  std::thread deliverer_;
+  std::vector<std::thread> deliverers_;           // grows under mu_, never after stopping_
 };
 
 }  // namespace hvdlite
