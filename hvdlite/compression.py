@@ -14,7 +14,17 @@ from .exceptions import HvdliteValueError
 
 
 class Compressor:
-    """Interface: ``compress`` returns (tensor to send, context); ``decompress`` undoes it."""
+    """The compression contract, as in ``horovod.torch``.
+
+    ``compress(tensor)`` returns (the tensor to send, a context); ``decompress(tensor, ctx)``
+    turns the reduced tensor back into the gradient's form. Both run on the thread that
+    submits or synchronizes the gradient, once per tensor and step, and must give every rank
+    the same dtype and shape for the same tensor (the engine checks that the ranks agree).
+    Classes with these two static methods work without subclassing (Horovod's custom
+    compressors do); ``DistributedOptimizer`` checks only that both exist. A compressor that
+    keeps state across steps or takes over the reduction of some gradients subclasses
+    ``StatefulCompressor``.
+    """
 
     @staticmethod
     def compress(tensor):
@@ -23,6 +33,46 @@ class Compressor:
     @staticmethod
     def decompress(tensor, ctx):
         raise NotImplementedError
+
+
+class StatefulCompressor(Compressor):
+    """A compressor with state of its own, held by one ``DistributedOptimizer`` (PowerSGD).
+
+    Besides ``compress`` and ``decompress`` (used for the gradients it does not hold), the
+    optimizer calls:
+
+    - ``hold(params, names, optimizer)`` when gradients are submitted (the optimizer's lock
+      held): returns (parameters to allreduce as usual, a callback that ``synchronize`` runs to
+      reduce the held ones or None, the parameters held);
+    - ``settle()`` once every reduction of a step completed; ``forget()`` after a step that
+      failed (an elastic reset), so the next one starts clean;
+    - ``state_dict()`` / ``load_state_dict(state)`` with the optimizer's own (under the
+      ``"powersgd"`` key), and ``shared_state()`` / ``load_shared_state(state)`` from
+      ``broadcast_optimizer_state``, for what every rank must hold alike.
+
+    It is not used with ``op=Adasum``.
+    """
+
+    def hold(self, params, names, optimizer):
+        raise NotImplementedError
+
+    def settle(self):
+        pass
+
+    def forget(self):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+    def shared_state(self):
+        return {}
+
+    def load_shared_state(self, state):
+        pass
 
 
 class NoneCompressor(Compressor):
@@ -123,7 +173,7 @@ class Compression:
 # that used different parameters, and a grouped allreduce pairs its members by position.
 
 
-class PowerSGD(NoneCompressor):
+class PowerSGD(StatefulCompressor, NoneCompressor):
     """A PowerSGD compressor for one DistributedOptimizer (it keeps per-parameter state). The
     gradients it does not compress go through the ordinary allreduce as they are.
 

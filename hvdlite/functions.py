@@ -13,6 +13,7 @@ import pickle
 import torch
 
 from . import basics, ops
+from .compression import StatefulCompressor
 from .process_sets import global_process_set
 from .exceptions import HvdliteTypeError, HvdliteValueError, ObjectPicklingError
 
@@ -117,7 +118,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
                 _set_hyperparameter(group, key, value)
     ops._synchronize_all(handles)
     compression = getattr(optimizer, "_compression", None)
-    if hasattr(compression, "shared_state"):  # Note [PowerSGD]: the root's counts and Qs
+    if isinstance(compression, StatefulCompressor):  # Note [PowerSGD]: the root's counts and Qs
         shared = broadcast_object(compression.shared_state() if is_root else None, root,
                                   name="broadcast_optimizer_state.powersgd", process_set=process_set)
         compression.load_shared_state(shared)

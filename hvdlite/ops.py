@@ -17,9 +17,10 @@ import torch
 
 from ._runtime import state as _state
 from ._runtime.checks import (  # noqa: F401 (also used by other modules as ops.*)
-    _ANY_DTYPE, _REDUCIBLE, _SUPPORTED_DTYPE_SET, _WIDENED, Adasum, Average, Max, Min, Product, Sum,
-    _check_name, _check_root, _check_scale, _check_splits, _check_tensor, _check_tensors,
-    _resolve_op)
+    _ANY_DTYPE, _REDUCIBLE, _SUPPORTED_DTYPE_SET, _WIDENED, _check_name, _check_root, _check_scale,
+    _check_splits, _check_tensor, _check_tensors)
+from ._runtime.reduce_ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (ops.* too)
+from ._runtime.reduce_ops import resolve as _resolve_op
 from ._runtime.native import _core
 from .adasum import adasum
 from .exceptions import HvdliteTypeError, HvdliteValueError

@@ -38,7 +38,7 @@ import torch
 from . import ops
 from ._runtime import compiled_backward as _compiled_backward
 from .basics import split_list
-from .compression import Compression, engine_wire_dtype
+from .compression import Compression, StatefulCompressor, engine_wire_dtype
 from .exceptions import HvdliteTypeError, HvdliteValueError, NotInitializedError
 from .process_sets import global_process_set
 
@@ -158,7 +158,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._group_ready = [set() for _ in self._groups]
             self._passes = {p: 0 for p in self._passes}
             self._synchronized = False
-            if hasattr(self._compression, "forget"):
+            if isinstance(self._compression, StatefulCompressor):
                 self._compression.forget()  # Note [PowerSGD]: the held gradients of that step
 
     # ---- the wrapped optimizer's objects -------------------------------------------------------
@@ -217,12 +217,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         state = self._optimizer.state_dict()
-        if hasattr(self._compression, "state_dict"):  # Note [PowerSGD]: error buffers and Qs
+        if isinstance(self._compression, StatefulCompressor):  # Note [PowerSGD]: error buffers and Qs
             state["powersgd"] = self._compression.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
-        if hasattr(self._compression, "load_state_dict") and "powersgd" in state_dict:
+        if isinstance(self._compression, StatefulCompressor) and "powersgd" in state_dict:
             state_dict = dict(state_dict)
             self._compression.load_state_dict(state_dict.pop("powersgd"))
         return self._optimizer.load_state_dict(state_dict)
@@ -308,7 +308,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 error = error or exc
         if error is not None:
             raise error
-        if hasattr(self._compression, "settle"):
+        if isinstance(self._compression, StatefulCompressor):
             self._compression.settle()  # Note [PowerSGD]: the step counts from here on
         self._synchronized = True
 
@@ -421,9 +421,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._record(self._submit_sparse(p))
             else:
                 dense.append(p)
-        hold = getattr(self._compression, "hold", None)  # Note [PowerSGD] in compression.py
-        if hold is not None and dense:
-            dense, finish, held = hold(dense, self._names, self)
+        if isinstance(self._compression, StatefulCompressor) and dense:  # Note [PowerSGD] in compression.py
+            dense, finish, held = self._compression.hold(dense, self._names, self)
             if finish is not None:
                 self._record(_Reduction(held, None, finish))
         if not dense:
@@ -534,7 +533,7 @@ def _check_options(op, predivide, passes, compression):
                                 f"got {passes!r}")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise HvdliteTypeError("DistributedOptimizer: compression must be one of hvdlite.Compression.*")
-    if hasattr(compression, "hold") and op == ops.Adasum:
+    if isinstance(compression, StatefulCompressor) and op == ops.Adasum:
         raise HvdliteValueError("DistributedOptimizer: Compression.powersgd() works with op=Average or Sum")
 
 

@@ -13,15 +13,6 @@ from . import state as _state
 from .native import _core
 from ..exceptions import HvdliteTypeError, HvdliteValueError
 
-# Reduce ops, with horovod.torch's values (csrc/types.h exports them).
-Average = _core.REDUCE_OPS["Average"]
-Sum = _core.REDUCE_OPS["Sum"]
-Adasum = _core.REDUCE_OPS["Adasum"]
-Min = _core.REDUCE_OPS["Min"]
-Max = _core.REDUCE_OPS["Max"]
-Product = _core.REDUCE_OPS["Product"]
-_OP_NAMES = {value: name for name, value in _core.REDUCE_OPS.items()}
-
 # The dtypes the transports carry (Gloo for CPU tensors, NCCL for CUDA ones); the native
 # module owns the list, as its lean allreduce path tests it too.
 _SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _core.CARRIED_DTYPES)
@@ -91,22 +82,6 @@ def _check_scale(fn, arg, value):
     if value != value or value in (float("inf"), float("-inf")):
         raise HvdliteValueError(f"{fn}: {arg} must be finite, got {value}")
     return value
-
-
-def _resolve_op(fn, average, op, allowed=(Average, Sum, Min, Max, Product, Adasum)):
-    if average is not None:
-        if op is not None:
-            raise HvdliteValueError(f"{fn}: pass either op= or the deprecated average=, not both")
-        return Average if average else Sum
-    if op is None:
-        return Average
-    if op == Adasum and not isinstance(op, bool) and Adasum not in allowed:
-        raise HvdliteValueError(f"{fn}: op=Adasum is not supported here (as in horovod.torch); Adasum is "
-                                "an allreduce")
-    if isinstance(op, bool) or op not in allowed:
-        names = ", ".join(_OP_NAMES[o] for o in allowed)
-        raise HvdliteValueError(f"{fn}: op must be one of {names}; got {op!r}")
-    return op
 
 
 def _check_root(fn, root_rank, runtime):
