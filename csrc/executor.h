@@ -104,7 +104,38 @@ class Executor {
   std::shared_ptr<c10::Event> RecordDone(std::vector<Local>& locals, c10::Device device);
   void Complete(std::vector<Local>& locals, const std::shared_ptr<c10::Event>& done_event);
   Entry NeutralEntry(const ReadyItem& item);
+  // Note [Reduce paths] (executor_reduce.cc): a reduction batch as every path sees it, the
+  // paths in order of preference, and each path's test and run.
+  struct ReduceBatch {
+    std::vector<Local>& locals;
+    CollectiveBackend* backend;
+    const Request& request;
+    c10::ScalarType wire;  // Note [Casting on the wire]
+    ReduceOp wire_op;      // kSum for an average (divided by `finish`)
+    int64_t total = 0;     // elements, all members
+    bool casts = false;    // some member is of another dtype than `wire`
+    bool scatter = false;  // a reducescatter
+    bool cpu = false;      // the members are CPU tensors
+    std::function<void(at::Tensor&)> finish;  // the average and postscale of a reduced part
+    std::vector<ShmChannel::Piece> pieces;    // set by IntoRouteEnabled
+  };
+  struct ReducePath {
+    const char* name;
+    bool (Executor::*enabled)(ReduceBatch&) const;
+    void (Executor::*run)(ReduceBatch&);
+  };
+  static const ReducePath kReducePaths[];
   void Reduce(std::vector<Local>& locals, CollectiveBackend* backend);
+  bool IntoRouteEnabled(ReduceBatch& batch) const;
+  void ReduceIntoRoute(ReduceBatch& batch);
+  bool LoneStagedEnabled(ReduceBatch& batch) const;
+  void ReduceLoneStaged(ReduceBatch& batch);
+  bool LoneInPlaceEnabled(ReduceBatch& batch) const;
+  void ReduceLoneInPlace(ReduceBatch& batch);
+  bool ByRangeEnabled(ReduceBatch& batch) const;
+  void ReduceByRange(ReduceBatch& batch);
+  bool ThroughBufferEnabled(ReduceBatch& batch) const;
+  void ReduceThroughBuffer(ReduceBatch& batch);
   // Allreduces a flat contiguous tensor (a CPU one through the CPU route) and applies
   // `finish` to each part as soon as that part is reduced (CpuRoute::AllreduceFlat).
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, CollectiveBackend* backend,
