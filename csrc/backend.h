@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "pipeline.h"
 #include "types.h"
 
 namespace hvdlite {
@@ -22,12 +23,10 @@ class CollectiveBackend {
  public:
   virtual ~CollectiveBackend() = default;
   // op is kSum, kMin, kMax or kProduct (averaging is done by the executor).
-  void Allreduce(at::Tensor& tensor, ReduceOp op) { StartAllreduce(tensor, op)(); }
-  // Starts an allreduce and returns the function that waits for it (and throws its failure),
-  // so that several backends can run parts of one buffer at once (Note [CPU channels]).
-  // `done`, where given, is set to a function that says without blocking whether it ended.
-  virtual std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp op,
-                                               std::function<bool()>* done = nullptr) = 0;
+  void Allreduce(at::Tensor& tensor, ReduceOp op) { StartAllreduce(tensor, op).Wait(); }
+  // Starts an allreduce and returns it in flight (pipeline.h), so that a WorkWindow can run
+  // parts of one buffer on several backends at once (Note [CPU channels] in cpu_route.h).
+  virtual PendingWork StartAllreduce(at::Tensor& tensor, ReduceOp op) = 0;
   virtual void Broadcast(at::Tensor& tensor, int root) = 0;
   // outputs[r] receives rank r's input; all have the input's size.
   virtual void Allgather(at::Tensor& input, std::vector<at::Tensor>& outputs) = 0;

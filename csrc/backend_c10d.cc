@@ -53,14 +53,13 @@ class C10dBackend final : public CollectiveBackend {
   C10dBackend(c10::intrusive_ptr<c10d::Backend> backend, std::chrono::milliseconds timeout)
       : backend_(std::move(backend)), timeout_(timeout) {}
 
-  std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp op, std::function<bool()>* done) override {
+  PendingWork StartAllreduce(at::Tensor& tensor, ReduceOp op) override {
     std::vector<at::Tensor> tensors{Unowned(tensor)};
     c10d::AllreduceOptions options;
     options.reduceOp = ToC10d(op);
     options.timeout = timeout_;
     c10::intrusive_ptr<c10d::Work> work = backend_->allreduce(tensors, options);
-    if (done != nullptr) *done = [work] { return work->isCompleted(); };
-    return [work] { Finish(work); };
+    return PendingWork([work] { Finish(work); }, [work] { return work->isCompleted(); });
   }
 
   void Broadcast(at::Tensor& tensor, int root) override {

@@ -45,7 +45,7 @@ std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int rank,
                                    int size, const std::map<std::string, std::string>& settings,
                                    std::shared_ptr<ShmChannel> shm,
-                                   std::optional<c10::intrusive_ptr<c10d::Backend>> cross, bool hierarchical,
+                                   std::optional<c10::intrusive_ptr<c10d::Backend>> cross, const std::string& route,
                                    double control_timeout_s, double data_timeout_s) {
   Config config = ConfigFromMap(settings);
   // Note [Frozen peers] (hvdlite/_runtime/groups.py): the collectives' own timeouts (0: the group's).
@@ -59,12 +59,12 @@ std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
   for (auto& backend : cpu) cpu_backends.push_back(MakeC10dBackend(std::move(backend), millis(data_timeout_s)));
   std::unique_ptr<CollectiveBackend> cross_backend;
   if (cross && *cross) cross_backend = MakeC10dBackend(*cross, millis(data_timeout_s));
-  if (hierarchical && cross_backend == nullptr && shm == nullptr) {
-    Check(Status(StatusCode::kInternal, "a hierarchical engine needs a shared-memory channel or a cross-host group"));
-  }
+  // Note [Transport plan] (hvdlite/_runtime/groups.py): the route was chosen there.
+  CpuRouteKind kind;
+  if (!ParseCpuRouteKind(route, &kind)) Check(Status(StatusCode::kInternal, "unknown CPU route '" + route + "'"));
   return std::make_shared<Engine>(config, rank, size, MakeC10dBackend(std::move(control), millis(control_timeout_s)),
                                   std::move(cpu_backends), std::move(cuda_backend), std::move(shm),
-                                  std::move(cross_backend), hierarchical);
+                                  std::move(cross_backend), kind);
 }
 
 // One tensor's arguments, as both enqueue bindings receive them.
@@ -309,7 +309,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu"),
            py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
            py::arg("shm").none(true) = nullptr, py::arg("cross").none(true) = py::none(),
-           py::arg("hierarchical") = false, py::arg("control_timeout") = 0.0, py::arg("data_timeout") = 0.0)
+           py::arg("route") = "gloo_channels", py::arg("control_timeout") = 0.0, py::arg("data_timeout") = 0.0)
       .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
       .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
       .def("new_name", &Engine::NewName, py::arg("prefix"))

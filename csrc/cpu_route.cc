@@ -2,9 +2,10 @@
 
 #include <algorithm>
 #include <exception>
-#include <limits>
 #include <stdexcept>
 #include <string>
+
+#include "pipeline.h"
 
 namespace hvdlite {
 namespace {
@@ -24,39 +25,24 @@ class HierarchicalRoute : public CpuRoute {
   }
 
   void AllreduceFlat(at::Tensor& flat, ReduceOp op, const Hook& finish) override {
-    if (local_ == nullptr) {  // alone on this host: the same cuts as the other hosts' channels,
-      // two in flight as theirs are
-      const int64_t per = ShmChannel::kHierarchicalChunk / static_cast<int64_t>(flat.element_size());
+    if (local_ == nullptr) {  // alone on this host: the same chunks as the other hosts' channels
+      // (Note [Every path sends the same chunks] in pipeline.h), two in flight as theirs are
+      const std::vector<Chunk> cut =
+          CutChunks(flat.numel(), ShmChannel::kHierarchicalChunk / static_cast<int64_t>(flat.element_size()));
+      const int64_t count = static_cast<int64_t>(cut.size());
       std::vector<at::Tensor> parts;
-      for (int64_t offset = 0; offset < flat.numel(); offset += per) {
-        parts.push_back(flat.narrow(0, offset, std::min(per, flat.numel() - offset)));
+      for (const Chunk& chunk : cut) parts.push_back(flat.narrow(0, chunk.begin, chunk.n));
+      WorkWindow window(count, 2, [&](int64_t k) { return cross_->StartAllreduce(parts[k], op); });
+      for (int64_t k = 0; k < count && !window.failed(); ++k) {
+        window.Ready(k + 1);
+        window.Reap(k - 1);
       }
-      std::function<void()> previous;
-      std::exception_ptr failure;
-      for (at::Tensor& part : parts) {
-        try {
-          std::function<void()> wait = cross_->StartAllreduce(part, op);
-          if (previous) previous();
-          previous = std::move(wait);
-        } catch (...) {
-          failure = std::current_exception();
-          break;
-        }
-      }
-      if (previous) {  // the last one started is waited for before anything is thrown
-        try {
-          previous();
-        } catch (...) {
-          if (!failure) failure = std::current_exception();
-        }
-      }
-      if (failure) std::rethrow_exception(failure);
+      window.Finish();
       finish(flat);
       return;
     }
-    // Finished inside the channel, chunk by chunk, as AllreducePieces does: a rank that fused
-    // through a buffer and one that fused straight into the segment must leave the same bytes
-    // there (Note [Fusing straight into shared memory]).
+    // Finished inside the channel, chunk by chunk, as AllreducePieces does (Note [Every path
+    // sends the same chunks] in pipeline.h).
     local_->Allreduce(
         flat, op, [&](at::Tensor& host_sum) { return cross_->StartAllreduce(host_sum, op); }, finish);
   }
@@ -134,116 +120,72 @@ class GlooChannelsRoute : public CpuRoute {
       return;
     }
     const int64_t width = static_cast<int64_t>(channels_.size());
-    // The cut depends on n and the channels only: chunks of about n / (width x
-    // kChunksPerChannel), within [kStripeBytes, kMaxChunkBytes].
+    // The cut depends on n and the channels only (Note [Every path sends the same chunks] in
+    // pipeline.h): chunks of about n / (width x kChunksPerChannel), within [kStripeBytes,
+    // kMaxChunkBytes], the first a quarter of the others (the link idles until it is copied in).
     const int64_t per = std::clamp<int64_t>((n + width * kChunksPerChannel - 1) / (width * kChunksPerChannel),
                                             kStripeBytes / element, kMaxChunkBytes / element);
+    const std::vector<Chunk> cut = CutChunks(n, per, per / 4);
+    const int64_t count = static_cast<int64_t>(cut.size());
     // Note [Streaming a batch through its buffer]: chunk c is staged in slot c % slots; a buffer
     // that holds all n is one slot per chunk.
     const bool ring = buffer.numel() < n;
     if (ring && !StreamsThrough(buffer.numel() * element)) throw TooSmall(buffer, n, "cannot stream them");
-    // The first chunk is a quarter of the others: the link idles until it is copied in.
+    const int64_t slots = ring ? buffer.numel() / per : count;
     std::vector<at::Tensor> chunks;
-    std::vector<int64_t> begins;
-    const int64_t slots = ring ? buffer.numel() / per : std::numeric_limits<int64_t>::max();
-    for (int64_t offset = 0; offset < n;) {
-      const int64_t length = std::min(chunks.empty() ? per / 4 : per, n - offset);
-      const int64_t c = static_cast<int64_t>(chunks.size());
-      begins.push_back(offset);
-      chunks.push_back(buffer.narrow(0, ring ? (c % slots) * per : offset, length));
-      offset += length;
+    for (int64_t c = 0; c < count; ++c) {
+      chunks.push_back(buffer.narrow(0, ring ? (c % slots) * per : cut[c].begin, cut[c].n));
     }
-    const int64_t count = static_cast<int64_t>(chunks.size());
-    std::vector<std::function<void()>> waits(count);
-    std::vector<std::function<bool()>> done(count);
-    std::vector<char> started(count, 0), ended(count, 0);
-    int64_t copied = 0;  // chunks copied in
-    std::exception_ptr failure;
-    // Starts chunk c once it is copied in and its channel's chunk before it has ended.
-    auto start = [&](int64_t c) {
-      if (failure || c >= count || started[c] || c >= copied || (c >= width && !ended[c - width])) return;
-      started[c] = 1;
-      try {
-        waits[c] = channels_[c % width]->StartAllreduce(chunks[c], op, &done[c]);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-    };
-    // Waits for chunk c (once, where it started) and starts the next chunk of its channel.
-    auto reap = [&](int64_t c) {
-      if (!waits[c]) return;
-      auto wait = std::move(waits[c]);
-      waits[c] = nullptr;
-      try {
-        wait();
-      } catch (...) {
-        if (!failure) failure = std::current_exception();
-      }
-      ended[c] = 1;
-      start(c + width);
-    };
-    // Whether chunk c has ended, without blocking (false where the backend cannot tell).
-    auto ended_yet = [&](int64_t c) {
-      try {
-        return waits[c] && done[c] && done[c]();
-      } catch (...) {  // the probe failed: the in-order wait will say why
-        return false;
-      }
-    };
-    // Reaps, without blocking, every chunk in flight that has ended: a channel starts its next
-    // chunk while this thread copies, not after.
-    auto poll = [&] {
-      for (int64_t c = 0; c < count; ++c) {
-        if (ended_yet(c)) reap(c);
-      }
-    };
+    // One lane per channel: chunk c travels on channel c % width once the channel's chunk
+    // before it has ended, and a channel whose chunk ended starts its next one while this
+    // thread copies.
+    WorkWindow window(count, width, [&](int64_t c) { return channels_[c % width]->StartAllreduce(chunks[c], op); });
     const int64_t step = std::max<int64_t>(1, kPollBytes / element);
     int64_t mapped = 0;  // Note [Prefaulting outputs while the link works]: outputs before it are mapped or written
     // Waits for chunk c (mapping outputs ahead meanwhile) and copies it out a step at a time,
-    // looking for ended chunks between steps. Every started chunk is waited for before
-    // anything is thrown.
+    // looking for ended chunks between steps.
     auto copy_out = [&](int64_t c) {
-      mapped = std::max(mapped, begins[c]);
+      const int64_t begin = cut[c].begin, stop = begin + cut[c].n;
+      mapped = std::max(mapped, begin);
       try {
-        while (staging.prefault && !failure && mapped < n && waits[c] && !ended_yet(c)) {
+        while (staging.prefault && !window.failed() && mapped < n && window.Travelling(c)) {
           const int64_t to = std::min(n, mapped + step);
           staging.prefault(mapped, to);
           mapped = to;
-          poll();
+          window.Poll();
         }
       } catch (...) {
-        if (!failure) failure = std::current_exception();
+        window.Fail(std::current_exception());
       }
-      reap(c);
-      poll();
-      if (failure || !ended[c]) return;
+      window.Reap(c);
+      window.Poll();
+      if (window.failed() || !window.Ended(c)) return;
       try {
         staging.finish(chunks[c]);
-        for (int64_t at = begins[c], stop = begins[c] + chunks[c].numel(); at < stop; at += step) {
+        for (int64_t at = begin; at < stop; at += step) {
           const int64_t to = std::min(stop, at + step);
-          at::Tensor part = chunks[c].narrow(0, at - begins[c], to - at);
+          at::Tensor part = chunks[c].narrow(0, at - begin, to - at);
           staging.copy_out(at, to, part);
-          poll();
+          window.Poll();
         }
       } catch (...) {
-        failure = std::current_exception();
+        window.Fail(std::current_exception());
       }
     };
     int64_t out = 0;  // chunks copied out (or given up on), in order
     try {
-      for (int64_t c = 0; c < count && !failure; ++c) {  // the first chunk per channel starts as it is filled
+      for (int64_t c = 0; c < count && !window.failed(); ++c) {
         while (out <= c - slots) copy_out(out++);  // its slot is free once the chunk before in it is out
-        if (failure) break;
-        staging.copy_in(begins[c], begins[c] + chunks[c].numel(), chunks[c]);
-        copied = c + 1;
-        start(c);
-        poll();
+        if (window.failed()) break;
+        staging.copy_in(cut[c].begin, cut[c].begin + cut[c].n, chunks[c]);
+        window.Ready(c + 1);  // the first chunk per channel starts as it is filled
+        window.Poll();
       }
     } catch (...) {
-      if (!failure) failure = std::current_exception();
+      window.Fail(std::current_exception());
     }
     while (out < count) copy_out(out++);
-    if (failure) std::rethrow_exception(failure);
+    window.Finish();
   }
 
  private:
@@ -262,26 +204,34 @@ at::Tensor CpuRoute::CoverAll(at::Tensor& buffer, int64_t n) {
   return buffer.numel() == n ? buffer : buffer.narrow(0, 0, n);
 }
 
-std::unique_ptr<CpuRoute> ChooseCpuRoute(const CpuRouteInputs& in) {
-  using Candidate = std::unique_ptr<CpuRoute> (*)(const CpuRouteInputs&);
-  // Note [CPU routes]: in order of preference; each returns null where the job cannot use it.
-  static const Candidate kCandidates[] = {
-      [](const CpuRouteInputs& i) -> std::unique_ptr<CpuRoute> {
-        if (!i.hierarchical) return nullptr;
-        return std::make_unique<HierarchicalRoute>(i.shm, i.cross);
-      },
-      [](const CpuRouteInputs& i) -> std::unique_ptr<CpuRoute> {
-        if (i.shm == nullptr) return nullptr;
-        return std::make_unique<SharedMemoryRoute>(i.shm);
-      },
-      [](const CpuRouteInputs& i) -> std::unique_ptr<CpuRoute> {
-        return std::make_unique<GlooChannelsRoute>(i.channels);
-      },
-  };
-  for (Candidate candidate : kCandidates) {
-    if (auto route = candidate(in)) return route;
+bool ParseCpuRouteKind(const std::string& name, CpuRouteKind* kind) {
+  static const std::pair<const char*, CpuRouteKind> kNames[] = {{"hierarchical", CpuRouteKind::kHierarchical},
+                                                                {"shared_memory", CpuRouteKind::kSharedMemory},
+                                                                {"gloo_channels", CpuRouteKind::kGlooChannels}};
+  for (const auto& [spelled, value] : kNames) {
+    if (name == spelled) {
+      *kind = value;
+      return true;
+    }
   }
-  return nullptr;  // unreachable: the last candidate always applies
+  return false;
+}
+
+std::unique_ptr<CpuRoute> MakeCpuRoute(const CpuRouteInputs& in) {
+  if (in.channels.empty()) throw std::invalid_argument("a CPU route needs at least one Gloo group");
+  switch (in.kind) {
+    case CpuRouteKind::kHierarchical:
+      if (in.shm == nullptr && in.cross == nullptr) {
+        throw std::invalid_argument("a hierarchical route needs a shared-memory channel or a cross-host group");
+      }
+      return std::make_unique<HierarchicalRoute>(in.shm, in.cross);
+    case CpuRouteKind::kSharedMemory:
+      if (in.shm == nullptr) throw std::invalid_argument("a shared-memory route needs its channel");
+      return std::make_unique<SharedMemoryRoute>(in.shm);
+    case CpuRouteKind::kGlooChannels:
+      break;
+  }
+  return std::make_unique<GlooChannelsRoute>(in.channels);
 }
 
 }  // namespace hvdlite

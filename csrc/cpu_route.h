@@ -1,8 +1,9 @@
 // CpuRoute: the way this engine's CPU allreduces and reducescatters travel, chosen once.
 //
 // Note [CPU routes]
-// A CPU reduction can travel three ways. ChooseCpuRoute, the one place the choice is made,
-// takes the first of these candidates that the job can use:
+// A CPU reduction can travel three ways; the job takes the first of these candidates that it
+// can use (Note [Transport plan] in hvdlite/_runtime/groups.py makes the choice, once, and
+// MakeCpuRoute builds what it chose):
 //   1. hierarchical: HVDLITE_HIERARCHICAL_ALLREDUCE=1 and the ranks span hosts (Python then
 //      passes a cross-host group and, where a host has several ranks, their channel; Note
 //      [Hierarchical allreduce] below);
@@ -36,9 +37,9 @@
 // agreed at init), and an allreduce of at least 2 x kStripeBytes is cut into chunks spread
 // over the channels (Note [Pipelined fusion over channels]; it was first cut into one equal
 // stripe per channel). The cut depends only on the element count and the channel count, so
-// every rank cuts the same way. Only this route uses more than the first group, so where
-// ChooseCpuRoute takes another (hierarchical, shared memory) only the first is made
-// (_cpu_channel_count in hvdlite/_runtime/groups.py): it carries what that route does not run.
+// every rank cuts the same way. Only this route uses more than the first group, so where the
+// plan takes another (hierarchical, shared memory) only the first is made (Note [Transport
+// plan]): it carries what that route does not run.
 //
 // Note [Pipelined fusion over channels]
 // A fused batch on the channels used to be copied into its fusion buffer whole, allreduced,
@@ -58,10 +59,8 @@
 // next one at once: the thread looks for ended chunks (Work::isCompleted) after every chunk it
 // copies in and every megabyte it copies out. Measured with bench/linkprofile.py (102 MB over
 // 1 Gbit/s, MTU 9000), the link's idle time inside a call went from 12.6-15.7 ms to 7-14 ms.
-// AllreduceFlat takes the same chunks (with nothing to copy), so the cut depends on nothing a
-// rank decides alone: ranks may reduce in place, out of place, through a buffer filled whole
-// (a member that is no memcpy on this rank) or from a joined rank's neutral input, and still
-// send the same chunks on every channel. A lone tensor reduced out of place goes this way with
+// AllreduceFlat takes the same chunks (with nothing to copy): Note [Every path sends the same
+// chunks] in pipeline.h. A lone tensor reduced out of place goes this way with
 // its output as the buffer: the copy from its input is the copy in, and nothing is copied out
 // (it used to be copied whole before the first byte left: hvd.allreduce of 102 MB across those
 // hosts went from 896 ms to 830 ms).
@@ -89,9 +88,8 @@
 // buffer, and is copied in once the chunk that used the slot before it is copied out. So where
 // the buffer holds two of the largest chunks (kMaxChunkBytes), CPU allreduces fuse into
 // batches of up to kStreamedBatches thresholds (fusion.h) and stream through a buffer of
-// the threshold's size; the cut is the same as for a buffer that holds everything, so a rank
-// that fills a whole buffer (a member that is no memcpy, members that share memory) sends the
-// same chunks. A slot is reused only after its chunk is copied out, so members must not share
+// the threshold's size; the cut is the same as for a buffer that holds everything (Note [Every
+// path sends the same chunks] in pipeline.h). A slot is reused only after its chunk is copied out, so members must not share
 // memory with each other: the executor checks, and stages such a batch in a buffer of its own
 // size, allocated for the call, as it does where a member is no memcpy, so that the pooled
 // buffer stays within the threshold. A buffer of fewer slots than channels keeps fewer chunks
@@ -165,15 +163,23 @@ class CpuRoute {
   static std::logic_error TooSmall(const at::Tensor& buffer, int64_t n, const char* why);
 };
 
+// Note [Transport plan]: the route Python chose at init() (hvdlite/_runtime/groups.py,
+// TransportPlan), by the candidates of Note [CPU routes] in that order.
+enum class CpuRouteKind { kHierarchical, kSharedMemory, kGlooChannels };
+// The plan's route names, as Python spells them; false for any other.
+bool ParseCpuRouteKind(const std::string& name, CpuRouteKind* kind);
+
 // What the engine was given; the pointers stay owned by the engine.
 struct CpuRouteInputs {
+  CpuRouteKind kind = CpuRouteKind::kGlooChannels;
   std::vector<CollectiveBackend*> channels;  // the Gloo groups for CPU data, at least one
   ShmChannel* shm = nullptr;                 // this host's ranks' channel, if open
   CollectiveBackend* cross = nullptr;        // hierarchical only: the hosts' first ranks
-  bool hierarchical = false;
 };
 
-// Note [CPU routes]: the first candidate the inputs allow.
-std::unique_ptr<CpuRoute> ChooseCpuRoute(const CpuRouteInputs& inputs);
+// The route of `inputs.kind`; std::invalid_argument where the inputs lack what it needs (a
+// shared-memory route without a channel, a hierarchical one with neither a channel nor a
+// cross-host group, no Gloo group).
+std::unique_ptr<CpuRoute> MakeCpuRoute(const CpuRouteInputs& inputs);
 
 }  // namespace hvdlite

@@ -28,7 +28,7 @@ std::vector<CollectiveBackend*> Pointers(const std::vector<std::unique_ptr<Colle
 
 Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
                std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
-               std::shared_ptr<ShmChannel> shm, std::unique_ptr<CollectiveBackend> cross, bool hierarchical)
+               std::shared_ptr<ShmChannel> shm, std::unique_ptr<CollectiveBackend> cross, CpuRouteKind route)
     : config_(config),
       rank_(rank),
       size_(size),
@@ -38,13 +38,13 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       cuda_backend_(std::move(cuda)),
       shm_(std::move(shm)),
       cross_(std::move(cross)),
-      hierarchical_(hierarchical),
+      hierarchical_(route == CpuRouteKind::kHierarchical),
       timeline_(config.timeline_path, rank, size),
-      channel_(control_backend_.get(), hierarchical ? nullptr : shm_.get(), size),
+      channel_(control_backend_.get(), hierarchical_ ? nullptr : shm_.get(), size),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
                   static_cast<size_t>(config.cache_capacity), config.average_over_contributors),
       executor_(rank, size, cpu_backends_.front().get(),
-                ChooseCpuRoute({Pointers(cpu_backends_), shm_.get(), cross_.get(), hierarchical_}),
+                MakeCpuRoute({route, Pointers(cpu_backends_), shm_.get(), cross_.get()}),
                 cuda_backend_.get(), &queue_, &handles_, &timeline_),
       settings_digest_(JobWideDigest(config)),
       params_{config.fusion_threshold_bytes, config.cycle_time_ms},
@@ -53,9 +53,11 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       callers_run_rounds_(config.caller_rounds && cuda_backend_ == nullptr) {
   if (shm_) shm_->YieldWhile(queue_.waiting());  // Note [Yield only while a caller waits]
   // Which way CPU reductions travel (Note [CPU routes]), for --verbose and the timeline.
-  const std::string route = executor_.CpuRouteName();
-  if (rank == 0) logger_.Log(LogLevel::kDebug, "CPU allreduces go through " + route);
-  if (timeline_.enabled()) timeline_.Marker("engine", "cpu route", MonotonicMicros(), "{\"route\": \"" + route + "\"}");
+  const std::string route_name = executor_.CpuRouteName();
+  if (rank == 0) logger_.Log(LogLevel::kDebug, "CPU allreduces go through " + route_name);
+  if (timeline_.enabled()) {
+    timeline_.Marker("engine", "cpu route", MonotonicMicros(), "{\"route\": \"" + route_name + "\"}");
+  }
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
   }

@@ -154,7 +154,7 @@ class Engine {
   Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
          std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
          std::shared_ptr<ShmChannel> shm = nullptr, std::unique_ptr<CollectiveBackend> cross = nullptr,
-         bool hierarchical = false);
+         CpuRouteKind route = CpuRouteKind::kGlooChannels);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

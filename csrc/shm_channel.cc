@@ -16,7 +16,6 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
-#include <optional>
 #include <cstdlib>
 #include <stdexcept>
 #include <thread>
@@ -398,36 +397,38 @@ void ShmChannel::AllreducePieces(const std::vector<Piece>& pieces, c10::ScalarTy
 void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Copy& fill, const Copy& drain,
                      const Direct& direct, const Hook& prepare, const Hook& finish, const StartAcross& across) {
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t per_chunk = chunk_ / element;
   const auto options = at::TensorOptions().dtype(dtype);
-  // Note [Hierarchical allreduce] (cpu_route.h): a chunk whose host sum is travelling across
-  // hosts; its wait is set on rank 0 only.
-  struct Travelling {
-    int bank;
-    int64_t offset, n;
-    std::function<void()> wait;
-  };
-  std::optional<Travelling> travelling;
-  std::vector<Segment> own;
-  auto arrive = [&](Travelling& chunk) {  // the job's sum is in: scale once, then everyone copies out
-    if (chunk.wait) {
-      auto wait = std::move(chunk.wait);
-      chunk.wait = nullptr;
-      wait();
-      if (finish) {
-        at::Tensor reduced = at::from_blob(Result(chunk.bank), {chunk.n}, options);
-        finish(reduced);
-      }
+  // Note [Every path sends the same chunks] (pipeline.h): Allreduce, AllreducePieces and the
+  // hierarchical route's lone ranks cut with the same function and chunk size.
+  const std::vector<Chunk> cut = CutChunks(total, chunk_ / element);
+  const int64_t count = static_cast<int64_t>(cut.size());
+  std::vector<int> banks(static_cast<size_t>(count));
+  // Note [Hierarchical allreduce] (cpu_route.h): chunk k's host sum travels across hosts while
+  // chunk k + 1 is reduced here (two lanes). Rank 0 of the channel starts it; the others have
+  // nothing to wait for.
+  WorkWindow travelling(across ? count : 0, 2, [&](int64_t k) {
+    if (rank_ != 0) return PendingWork();
+    at::Tensor reduced = at::from_blob(Result(banks[k]), {cut[k].n}, options);
+    return across(reduced);
+  });
+  auto arrive = [&](int64_t k) {  // the job's sum is in: scale once, then everyone copies out
+    travelling.Reap(k);
+    travelling.ThrowIfFailed();
+    if (rank_ == 0 && finish) {
+      at::Tensor reduced = at::from_blob(Result(banks[k]), {cut[k].n}, options);
+      finish(reduced);
     }
     Barrier();
-    drain(Result(chunk.bank), chunk.offset, chunk.n);
+    drain(Result(banks[k]), cut[k].begin, cut[k].n);
   };
+  std::vector<Segment> own;
   try {
     if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
-    for (int64_t offset = 0; offset < total; offset += per_chunk) {
-      const int64_t n = std::min(per_chunk, total - offset);
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t offset = cut[k].begin, n = cut[k].n;
       const int bank = bank_;
       bank_ ^= 1;
+      banks[k] = bank;
       const int64_t share = (n + size_ - 1) / size_;
       const int64_t begin = std::min(n, rank_ * share), end = std::min(n, begin + share);
       // Note [Own share straight from the input]: where my share lies in my input (its
@@ -470,26 +471,18 @@ void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Co
         drain(Result(bank), offset, n);
         continue;
       }
-      Travelling next{bank, offset, n, nullptr};
-      if (rank_ == 0) {
-        at::Tensor reduced = at::from_blob(Result(bank), {n}, options);
-        next.wait = across(reduced);
-      }
-      std::optional<Travelling> before = std::move(travelling);
-      travelling = std::move(next);  // held first, so a failure below still waits for it
-      if (before) arrive(*before);   // the chunk before, while this one travels
+      travelling.Ready(k + 1);  // this chunk starts across hosts
+      travelling.ThrowIfFailed();
+      if (k > 0) arrive(k - 1);  // the chunk before, while this one travels
     }
-    if (travelling) arrive(*travelling);
+    if (across && count > 0) arrive(count - 1);
   } catch (...) {
-    // A cross-host allreduce still travelling writes into this segment: let it end first.
-    if (travelling && travelling->wait) {
-      try {
-        travelling->wait();
-      } catch (...) {
-      }
-    }
+    // A cross-host allreduce still travelling writes into this segment: it ends first, and the
+    // first failure is the one thrown.
+    travelling.Fail(std::current_exception());
+    travelling.Drain();
     Abort();
-    throw;
+    travelling.ThrowIfFailed();
   }
 }
 
@@ -498,8 +491,8 @@ void ShmChannel::Move(int64_t bytes, const std::function<void(char** slots, int6
   std::vector<char*> slots(size_);
   try {
     if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
-    for (int64_t offset = 0; offset < bytes; offset += chunk_) {
-      const int64_t n = std::min(chunk_, bytes - offset);
+    for (const Chunk& chunk : CutChunks(bytes, chunk_)) {
+      const int64_t offset = chunk.begin, n = chunk.n;
       const int bank = bank_;
       bank_ ^= 1;
       for (int r = 0; r < size_; ++r) slots[r] = Slot(bank, r);

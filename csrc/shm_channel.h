@@ -124,6 +124,7 @@
 
 #include <unistd.h>
 
+#include "pipeline.h"
 #include "types.h"
 
 namespace hvdlite {
@@ -167,12 +168,12 @@ class ShmChannel {
   // In place; op is kSum, kMin, kMax or kProduct. Throws std::runtime_error naming the rank
   // when a peer exited, aborted or timed out. With `across` (Note [Hierarchical allreduce] in
   // cpu_route.h), each chunk's reduction over these ranks is handed to `across` on rank 0 of the
-  // channel, which starts its allreduce with the other hosts and returns its wait; the chunk is
+  // channel, which starts its allreduce with the other hosts and returns its pending work; the chunk is
   // copied out once that wait returned, after the next chunk has been reduced here and its own
   // allreduce started. Every rank of the channel must pass `across` or none. `finish` (the
   // average and postscale) is applied inside, as AllreducePieces applies it, so ranks that take
   // either entry agree.
-  using StartAcross = std::function<std::function<void()>(at::Tensor&)>;
+  using StartAcross = std::function<PendingWork(at::Tensor&)>;
   void Allreduce(at::Tensor& flat, ReduceOp op, const StartAcross& across = nullptr,
                  const std::function<void(at::Tensor&)>& finish = nullptr);
 
@@ -184,11 +185,9 @@ class ShmChannel {
   // the result before the second barrier, so each element is scaled once, by one rank, and
   // every rank copies out the same bytes. With `across` (hierarchical), `finish` runs on rank 0
   // of the channel after `across`, on the whole chunk. A piece's `in` and `out` may be the
-  // same memory; pieces that otherwise share memory are refused (PiecesOverlap). Whether a rank can take this path depends on its own tensors (a
-  // non-contiguous member sends its batch through a fusion buffer and Allreduce), so the two
-  // must be interchangeable between ranks: both run the same chunks and barriers (Run) and
-  // scale at the same points, so every rank's share in the segment holds the same bytes
-  // whichever entry each rank took.
+  // same memory; pieces that otherwise share memory are refused (PiecesOverlap). This entry and
+  // Allreduce are interchangeable between ranks (Note [Every path sends the same chunks] in
+  // pipeline.h): both run the same chunks and barriers (Run) and scale at the same points.
   using Hook = std::function<void(at::Tensor&)>;
   // `bytes` counts the batch's dtype. Where `own` is another dtype (Note [Casting on the wire]
   // in executor.h), `in` and `out` hold as many elements of `own`, cast on the copies in and out;

@@ -184,20 +184,18 @@ class ScriptedChannel : public CollectiveBackend {
                   py::list& events)
       : index_(index), probes_(probes), started_(started), base_(static_cast<const char*>(buffer.data_ptr())),
         events_(events) {}
-  std::function<void()> StartAllreduce(at::Tensor& tensor, ReduceOp, std::function<bool()>* done) override {
+  PendingWork StartAllreduce(at::Tensor& tensor, ReduceOp) override {
     const int64_t size = static_cast<int64_t>(tensor.element_size());
     const int64_t begin = (static_cast<const char*>(tensor.data_ptr()) - base_) / size;
     const int64_t end = begin + tensor.numel();
     events_.append(py::make_tuple("start", index_, begin, end));
     auto left = std::make_shared<int64_t>(probes_[started_++ % probes_.size()]);
-    if (done) {
-      *done = [this, left, begin, end] {
-        const bool ended = (*left)-- <= 0;
-        events_.append(py::make_tuple("probe", index_, begin, end, ended));
-        return ended;
-      };
-    }
-    return [this, begin, end] { events_.append(py::make_tuple("end", index_, begin, end)); };
+    return PendingWork([this, begin, end] { events_.append(py::make_tuple("end", index_, begin, end)); },
+                       [this, left, begin, end] {
+                         const bool ended = (*left)-- <= 0;
+                         events_.append(py::make_tuple("probe", index_, begin, end, ended));
+                         return ended;
+                       });
   }
   void Broadcast(at::Tensor&, int) override { throw std::logic_error("not scripted"); }
   void Allgather(at::Tensor&, std::vector<at::Tensor>&) override { throw std::logic_error("not scripted"); }
@@ -229,12 +227,12 @@ py::list StagedSchedule(int64_t elements, int channels, const std::vector<int64_
   py::list events;
   int64_t started = 0;
   std::vector<std::unique_ptr<ScriptedChannel>> owned;
-  CpuRouteInputs inputs;
+  CpuRouteInputs inputs;  // kGlooChannels
   for (int i = 0; i < channels; ++i) {
     owned.push_back(std::make_unique<ScriptedChannel>(i, probes, started, buffer, events));
     inputs.channels.push_back(owned.back().get());
   }
-  std::unique_ptr<CpuRoute> route = ChooseCpuRoute(inputs);
+  std::unique_ptr<CpuRoute> route = MakeCpuRoute(inputs);
   auto record = [&events, base](const char* what) {
     return [&events, base, what](int64_t begin, int64_t end, at::Tensor& part) {
       const int64_t where = (static_cast<const char*>(part.data_ptr()) - base) / static_cast<int64_t>(part.element_size());

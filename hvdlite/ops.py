@@ -141,11 +141,11 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
     state, runtime = _runtime(fn, process_set)
     single = len(inputs) == 1
     if single:
-        if inputs[0].is_cuda and runtime.groups[2] is None:
+        if inputs[0].is_cuda and runtime.groups.cuda is None:
             _no_nccl(fn)
     elif any(t.is_cuda for t in inputs):  # (building a torch.device per tensor costs more)
         devices = {t.device.type for t in inputs}
-        if runtime.groups[2] is None:
+        if runtime.groups.cuda is None:
             _no_nccl(fn)
         if len(devices) > 1:
             raise HvdliteValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")

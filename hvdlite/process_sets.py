@@ -112,7 +112,7 @@ def add_process_set(process_set):
         raise HvdliteValueError(f"add_process_set: ranks {bad} are outside a job of {size} ranks")
     set_id = next(state.set_ids)
     me = state.topology.rank
-    engine, groups, rank = None, (), -1
+    engine, groups, rank = None, None, -1
     if me in process_set.ranks:
         rank = process_set.ranks.index(me)
         engine, groups = _groups.start_engine(state.group_context(), f"set{set_id}", rank,

@@ -14,6 +14,7 @@ so every rank creates the same groups.
 import datetime
 import os
 import secrets
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -189,16 +190,42 @@ def _local_paths(store, base, rank, size, options, members, loopback):
     return channel, cross, True
 
 
-def _cpu_channel_count(options, shm, hierarchical):
-    """How many Gloo groups carry this engine's CPU data (Note [CPU channels] in
-    csrc/cpu_route.h). Only the Gloo channels route stripes over several, and ChooseCpuRoute
-    takes it only where there is neither a hierarchical route nor a shared-memory channel;
-    elsewhere the first group alone carries anything (the collectives those routes do not
-    run), so the others are not made: each Gloo group brings a loop thread that wakes every
-    10 ms (0.6-1.7 ms of CPU a second per group on the 2-core VM), two worker threads and a
-    connection per peer. `shm` and `hierarchical` are the same on every rank, so every rank
-    makes the same groups."""
-    return options["cpu_channels"] if shm is None and not hierarchical else 1
+class TransportPlan(NamedTuple):
+    """Note [Transport plan]
+    How one engine's CPU reductions travel, decided once at init() and handed to the engine,
+    which builds that route (MakeCpuRoute in csrc/cpu_route.cc) and never re-derives it. The
+    candidates of Note [CPU routes] (csrc/cpu_route.h), first that applies:
+      "hierarchical": HVDLITE_HIERARCHICAL_ALLREDUCE=1 and the ranks span hosts, with every
+        host's segment open (or a host of one rank);
+      "shared_memory": every rank on one host, with the segment open;
+      "gloo_channels": everything else, over `cpu_channels` Gloo groups.
+    Every input is the same on every rank (job-wide settings from rank 0, and the channel
+    verdicts agreed through the store by _segment and _agree), so every rank makes the same
+    plan and the same groups. Only the Gloo channels route stripes over several groups; the
+    others make one, which carries what they do not run (alltoall, reducescatter through Gloo):
+    each Gloo group brings a loop thread that wakes every 10 ms, two worker threads and a
+    connection per peer (docs/performance.md, idle cost)."""
+    route: str          # "hierarchical", "shared_memory" or "gloo_channels"
+    cpu_channels: int   # Gloo groups for CPU data
+    shm: object         # this host's _core.ShmChannel, or None
+    cross: object       # hierarchical, on each host's first rank: the group of first ranks
+
+
+def _plan(options, shm, cross, hierarchical):
+    """Note [Transport plan]: the plan for the agreed local paths (_local_paths)."""
+    if hierarchical:
+        return TransportPlan("hierarchical", 1, shm, cross)
+    if shm is not None:
+        return TransportPlan("shared_memory", 1, shm, None)
+    return TransportPlan("gloo_channels", options["cpu_channels"], None, None)
+
+
+class EngineGroups(NamedTuple):
+    """The process groups of one engine, kept alive as long as the engine."""
+    control: object     # negotiation (when no segment carries it)
+    cpu: list           # CPU data, TransportPlan.cpu_channels of them
+    cuda: object        # NCCL for CUDA tensors, or None
+    cross: object       # hierarchical only, or None
 
 
 def timeline_for(settings, label):
@@ -226,9 +253,9 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
     options = _core._parse_config(settings)
     try:
         control = _gloo_group(dist.PrefixStore(base + "control", store), rank, size, loopback)
-        shm, cross, hierarchical = _local_paths(store, base, rank, size, options, members, loopback)
+        plan = _plan(options, *_local_paths(store, base, rank, size, options, members, loopback))
         cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
-               for i in range(_cpu_channel_count(options, shm, hierarchical))]
+               for i in range(plan.cpu_channels)]
         cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
     except RuntimeError as exc:
         hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
@@ -236,11 +263,11 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
         raise RankFailureError(f"hvdlite.init(): rank {rank} could not connect its process groups to "
                                f"the other ranks: {exc}{hint}", op="init") from None
     bound = _channel_timeout(options)  # Note [Frozen peers]
-    engine = _core.Engine(control, cpu, cuda, rank, size, settings, shm, cross, hierarchical,
+    engine = _core.Engine(control, cpu, cuda, rank, size, settings, plan.shm, plan.cross, plan.route,
                           control_timeout=bound, data_timeout=bound if is_elastic_worker(os.environ) else 0.0)
     # Note [Dump requests] (csrc/recorder.h): its dumps' name; the global engine also tells
     # the other ranks when this process gets a dump signal.
     engine.set_label(timeline_label or tag, tag == "global")
     if not _recorder.enabled():  # HVDLITE_FLIGHT_RECORDER=0 (Note [Dump files] in recorder.py)
         engine.set_recording(False)
-    return engine, (control, cpu, cuda, cross)
+    return engine, EngineGroups(control, cpu, cuda, plan.cross)

@@ -26,7 +26,7 @@ class SetRuntime:
     """One process set's engine, as seen from this rank (engine None: not a member)."""
     ranks: list     # global ranks, sorted
     engine: object  # _core.Engine or None
-    groups: tuple   # keeps the process groups alive as long as the engine
+    groups: object  # groups.EngineGroups (None: not a member), kept alive as long as the engine
     rank: int       # this rank's index in `ranks` (-1 when not a member)
 
     @property
