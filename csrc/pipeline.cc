@@ -96,8 +96,13 @@ void WorkWindow::ThrowIfFailed() const {
 }
 
 void WorkWindow::Finish() {
+  for (int64_t k = 0; k < count_; ++k) Reap(k);  // a lane whose work ends starts its next one
   Drain();
   ThrowIfFailed();
+  for (int64_t k = 0; k < count_; ++k) {
+    if (!started_[k]) throw std::logic_error("WorkWindow: work " + std::to_string(k) + " of " + std::to_string(count_) +
+                                             " never started (the caller did not make it ready)");
+  }
 }
 
 }  // namespace hvdlite

@@ -97,7 +97,9 @@ class WorkWindow {
   bool failed() const { return static_cast<bool>(failure_); }
   // Rethrows the kept failure, if any (without draining: see Finish).
   void ThrowIfFailed() const;
-  // Drain, then ThrowIfFailed: every call's last step.
+  // Every call's last step: reaps every work in order (a lane whose work ends starts its next
+  // ready one, unless one failed), then ThrowIfFailed. With no failure every work must have
+  // been made ready: one that never started is a std::logic_error.
   void Finish();
   int64_t count() const { return count_; }
 

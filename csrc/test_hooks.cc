@@ -7,6 +7,7 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <memory>
 #include <stdexcept>
 
@@ -17,6 +18,7 @@
 #include "cpu_route.h"
 #include "fusion.h"
 #include "message.h"
+#include "pipeline.h"
 #include "status_error.h"
 
 namespace py = pybind11;
@@ -246,6 +248,39 @@ py::list StagedSchedule(int64_t elements, int channels, const std::vector<int64_
   return events;
 }
 
+// Note [Every path sends the same chunks] (pipeline.h): a WorkWindow of `count` scripted works on
+// `lanes` lanes, driven as the pipelined loops drive it: work k is made ready, then work
+// k - lag is reaped (lag 0: never before the end), then Finish. Work `fail_start` throws when
+// started, work `fail_wait` (and every work in `also_fail`) when waited for; each work ends
+// only when waited for. Returns the events ("start" | "wait", k) in order and the message of
+// the error Finish threw ("" if none).
+py::tuple WindowSchedule(int64_t count, int64_t lanes, int64_t lag, int64_t fail_start, int64_t fail_wait,
+                         const std::vector<int64_t>& also_fail) {
+  py::list events;
+  std::string error;
+  {
+    WorkWindow window(count, lanes, [&](int64_t k) {
+      events.append(py::make_tuple("start", k));
+      if (k == fail_start) throw std::runtime_error("start " + std::to_string(k));
+      const bool fails = k == fail_wait || std::count(also_fail.begin(), also_fail.end(), k) > 0;
+      return PendingWork([&events, k, fails] {
+        events.append(py::make_tuple("wait", k));
+        if (fails) throw std::runtime_error("wait " + std::to_string(k));
+      });
+    });
+    try {
+      for (int64_t k = 0; k < count && !window.failed(); ++k) {
+        window.Ready(k + 1);
+        if (lag > 0) window.Reap(k - lag);
+      }
+      window.Finish();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  return py::make_tuple(events, error);
+}
+
 }  // namespace
 
 void DefineTestHooks(py::module_& m) {
@@ -289,6 +324,13 @@ void DefineTestHooks(py::module_& m) {
     for (const auto& lengths : rounds) slots.push_back(sizer.Next(lengths));
     return slots;
   }, py::arg("size"), py::arg("rounds"));
+  m.def("_cut_chunks", [](int64_t total, int64_t per, int64_t first) {
+    py::list out;
+    for (const Chunk& c : CutChunks(total, per, first)) out.append(py::make_tuple(c.begin, c.n));
+    return out;
+  }, py::arg("total"), py::arg("per"), py::arg("first") = 0);
+  m.def("_window_schedule", &WindowSchedule, py::arg("count"), py::arg("lanes"), py::arg("lag"),
+        py::arg("fail_start") = -1, py::arg("fail_wait") = -1, py::arg("also_fail") = std::vector<int64_t>());
   m.def("_staged_schedule", &StagedSchedule, py::arg("elements"), py::arg("channels"), py::arg("probes"),
         py::arg("prefault"), py::arg("buffer_elements") = 0);
 }
