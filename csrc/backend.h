@@ -1,11 +1,18 @@
 // CollectiveBackend: the few collectives the core needs, for one kind of device. The real
-// implementation is a thin layer over a c10d::Backend that Python created (Gloo for CPU
-// tensors, NCCL for CUDA tensors; see backend_c10d.h); keeping this interface free of c10d
-// headers keeps the rest of the core quick to compile and testable.
+// implementation (MakeC10dBackend, backend_c10d.h and backend_c10d.cc) is a thin layer over a
+// c10d::Backend that Python created (Gloo for CPU tensors, NCCL for CUDA tensors); keeping this
+// interface free of c10d headers keeps the rest of the core quick to compile and testable.
 //
-// Only the background thread calls these. Each call blocks until the collective is complete
-// (for device backends: until it is ordered on the current stream) and throws std::exception
-// when it fails, e.g. because a peer died.
+// Called on whichever thread runs the engine's rounds (the background thread, or a waiting
+// caller that holds the engine's drive_mu_: Note [A waiting caller runs the round] in
+// engine.h), one call at a time (several started allreduces may be in flight at once), so an
+// implementation needs no lock. StartAllreduce does not wait: it returns the allreduce in
+// flight as a PendingWork (pipeline.h), whose Wait blocks until the collective is complete and
+// rethrows its failure, and whose Done says without blocking whether it has ended. Allreduce is
+// StartAllreduce followed by Wait. Broadcast, Allgather and Alltoall block until the collective
+// is complete. For device backends, complete means ordered on the current stream. A failure
+// (e.g. a peer that died) is thrown as a std::exception, by the call or by the pending work's
+// Wait.
 #pragma once
 
 #include <ATen/core/Tensor.h>

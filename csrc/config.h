@@ -1,7 +1,8 @@
 // Config: every tunable of the core, filled once from HVDLITE_* variables when an engine is
 // created. Parsing is strict and an invalid value is an error naming the variable and the
-// value. Immutable after creation. Each variable is one row of the table in config.cc (Note
-// [One table of settings]), which parsing, the job-wide list and the digest all read.
+// value. Immutable after creation (the engine keeps a const copy), so any thread may read it
+// without a lock. Each variable is one row of the table in config.cc (Note [One table of
+// settings]), which parsing, the job-wide list and the digest all read.
 //
 // Note [Job-wide settings]
 // The replicated controller is correct only while every rank feeds it the same inputs (Note
@@ -53,8 +54,9 @@ struct Config {
   // 0 bytes disables the hold.
   int64_t gather_bytes = 4LL << 20;
   double gather_max_ms = 100.0;
-  // HVDLITE_CPU_CHANNELS: Gloo process groups that carry CPU data; large allreduces are
-  // striped over them (Note [CPU channels] in cpu_route.h). Rank 0's value applies to the job.
+  // HVDLITE_CPU_CHANNELS: Gloo process groups that carry CPU data; large allreduces are cut
+  // into chunks spread over them (Note [CPU channels] in cpu_route.h). Rank 0's value applies
+  // to the job.
   int64_t cpu_channels = 4;
   // HVDLITE_SHARED_MEMORY: 1 (default) lets an engine whose ranks all run on one host allreduce
   // CPU tensors through shared memory (Note [Shared-memory allreduce] in shm_channel.h); 0
@@ -98,7 +100,7 @@ struct Config {
   int64_t flight_recorder_rounds = 64;
   // HVDLITE_TEST_FORGET_CACHE_AT_ROUND: a test hook (per rank): after this many negotiation
   // rounds this rank's controller forgets its response cache, so its state diverges from the
-  // other ranks' the way a bug would make it (Note [Agreement digest] in engine.h). -1: never.
+  // other ranks' the way a bug would make it (Note [Agreement digest] in controller.h). -1: never.
   int64_t test_forget_cache_round = -1;
 
   // Reads the variables through `lookup` (getenv in production, a map in unit tests).

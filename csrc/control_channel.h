@@ -1,5 +1,10 @@
 // ControlChannel: the control plane's one primitive, "everyone's bytes", built on a CPU (Gloo)
-// CollectiveBackend reserved for negotiation.
+// CollectiveBackend reserved for negotiation, or on the shared-memory channel where every rank
+// shares the host. Exchange is called once per round by every rank, on whichever thread runs
+// the round (the background thread, or a waiting caller that holds the engine's drive_mu_: Note
+// [A waiting caller runs the round] in engine.h), so one exchange at a time; it takes no lock
+// and reuses its tensors across rounds. Its counters for tests are atomics, read from any
+// thread.
 //
 // Each rank sends a slot holding its length and, when it fits, its bytes: one collective per
 // round in the common case. When any message is larger than a slot, a second exchange at the
@@ -8,25 +13,23 @@
 // Note [Control exchange by alltoall]
 // The slot exchange is an alltoall in which every rank sends its own slot to every rank, not
 // an allgather, although both deliver the same bytes: Gloo runs alltoall as direct pairwise
-// transfers that all happen at once, and allgather as a ring of size - 1 sequential steps. On
-// the 2-rank loopback reference machine a 2 KiB slot took 0.33-0.43 ms by alltoall against
-// 0.57-0.76 ms by allgather (a 1-float allreduce: 0.42 ms); the round is the whole cost of a
-// small collective, so this is the latency of every tiny allreduce. The rare oversized second
-// exchange stays an allgather, which moves size times fewer bytes per rank.
+// transfers that all happen at once, and allgather as a ring of size - 1 sequential steps, so
+// the alltoall ends sooner (measured: docs/performance.md, Design measurements). The round is
+// the whole cost of a small collective, so this is the latency of every tiny allreduce. The
+// rare oversized second exchange stays an allgather, which moves size times fewer bytes per
+// rank.
 //
 // Note [Slots sized by the last rounds]
 // A fixed 2 KiB slot held a step's cached requests but not a ResNet-50 step across hosts: 161
 // cached requests and the 30 bias and norm tensors' inlined bytes make a 12 KB message, and 161
-// one-float tensors 2.8 KB. Each such round paid the second exchange, a whole extra round trip:
-// across two 1 Gbit/s test hosts, 161 one-float tensors took 0.8-1.0 ms from the later rank's
-// start of the exchange to its end, one tensor 0.3 ms. Every rank receives every length, so
+// one-float tensors 2.8 KB. Each such round paid the second exchange, a whole extra round trip
+// (measured: docs/performance.md, Design measurements). Every rank receives every length, so
 // every rank can size the next round's slot the same way without another word: the longest
 // message plus an eighth, in whole KiB, at once when a round needs more, and back down only
 // after kCalmRounds rounds in a row that would all have fitted a smaller slot, so a training
 // step's big round keeps its slot through the small rounds between steps. The slot stays
 // between 2 KiB and kRoundBytes / size, so a round never sends more than kRoundBytes per rank
 // in slots: a large job keeps today's 2 KiB, and past the cap the second exchange is back.
-// Background thread only; reuses its tensors across rounds.
 #pragma once
 
 #include <ATen/core/Tensor.h>

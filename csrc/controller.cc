@@ -537,7 +537,8 @@ void Controller::Decide(ReadyItem&& item, std::vector<ReadyItem>* ready) {
 }
 
 void Controller::InspectStalls(int64_t now_ms, RoundResult* result) {
-  // (an ostringstream costs a locale's set-up, about 0.3 us, in every round of a 4-byte loop)
+  // (an ostringstream costs a locale's set-up in every round of a 4-byte loop; measured:
+  // docs/performance.md, Design measurements)
   if ((stall_check_ms_ <= 0 && stall_shutdown_ms_ <= 0) || arrival_.empty()) return;
   std::ostringstream table;
   std::vector<ReadyItem> stalled;

@@ -1,5 +1,7 @@
 // Controller: negotiation. Decides which tensors are ready on every rank, checks that the
 // ranks agree about them, and puts them in one order that every rank computes identically.
+// Called only by whichever thread holds the engine's drive_mu_ (the background thread or a
+// waiting caller: Note [A waiting caller runs the round] in engine.h); no locking.
 //
 // Note [Replicated negotiation]
 // Every round, every rank sends its RankMessage to every rank over the control process group
@@ -24,8 +26,6 @@
 //   5. a ready name whose requests disagree is emitted with a kMismatch status that names the
 //      field, the ranks and their values; a grouped operation fails as a whole;
 //   6. names pending past the stall deadlines produce a warning table, then kStall failures.
-// Called only by whichever thread holds the engine's drive_mu_ (the background thread or a
-// waiting caller: Note [A waiting caller runs the round] in engine.h); no locking.
 //
 // Note [Join]
 // A rank that has run out of data calls join(). From the round in which its join request is
@@ -34,10 +34,11 @@
 // the collective, with a neutral input (zeros for sums, the op's identity for Min/Max/Product,
 // no rows for alltoall) and discards the result. An allgather or a broadcast decided while a
 // rank has joined fails on the ranks that called it, as in horovod.torch (a joined rank has no
-// tensor to send, and a Horovod script expects the error); the job goes on. Averages divide by the size of
-// the set, as horovod.torch and DDP's Join do (the joined ranks count as zeros), or, with
-// HVDLITE_JOIN_AVERAGE=contributors, by the ranks that contributed. When the last rank joins, every rank's join completes, returning the
-// rank that joined last, and the joined set is cleared.
+// tensor to send, and a Horovod script expects the error); the job goes on. Averages divide by
+// the size of the set, as horovod.torch and DDP's Join do (the joined ranks count as zeros),
+// or, with HVDLITE_JOIN_AVERAGE=contributors, by the ranks that contributed. When the last rank
+// joins, every rank's join completes, returning the rank that joined last, and the joined set
+// is cleared.
 // Note [Grouped operations]
 // A rank submits all members of a group in one message (the tensor queue takes a group
 // whole), so once a rank's message has been recorded its list of members ("manifest") is

@@ -1,4 +1,9 @@
-// CpuRoute: the way this engine's CPU allreduces and reducescatters travel, chosen once.
+// CpuRoute: the way this engine's CPU allreduces and reducescatters travel, chosen once at
+// init() (MakeCpuRoute) and held by the executor for the engine's life. The executor calls it on
+// whichever thread runs the round: the background thread, or a waiting caller that holds the
+// engine's drive_mu_ (Note [A waiting caller runs the round] in engine.h), so one call at a time;
+// a route takes no lock of its own. Each collective returns once it has ended on this rank
+// and throws std::exception when it fails (a peer that died, a broken connection).
 //
 // Note [CPU routes]
 // A CPU reduction can travel three ways; the job takes the first of these candidates that it
@@ -29,71 +34,69 @@
 // is not idle while the host works (at most two chunks in flight; ShmChannel::Run).
 //
 // Note [CPU channels]
-// A Gloo allreduce of one large buffer does not keep loopback TCP busy: on the 2-rank
-// reference machine a 64 MB allreduce took 49-51 ms through one process group, 42-48 ms split
-// in two halves over two groups at once, and 37-44 ms in four quarters over four; at 16 MB two
-// groups took 10.5 ms against 13.7 ms, while below ~4 MB the extra waits cost more than they
-// save. So the engine holds HVDLITE_CPU_CHANNELS Gloo groups for CPU data (rank 0's value,
-// agreed at init), and an allreduce of at least 2 x kStripeBytes is cut into chunks spread
-// over the channels (Note [Pipelined fusion over channels]; it was first cut into one equal
-// stripe per channel). The cut depends only on the element count and the channel count, so
-// every rank cuts the same way. Only this route uses more than the first group, so where the
-// plan takes another (hierarchical, shared memory) only the first is made (Note [Transport
-// plan]): it carries what that route does not run.
+// A Gloo allreduce of one large buffer does not keep loopback TCP busy: the same buffer split
+// over several process groups at once finishes sooner, while for small buffers the extra waits
+// cost more than they save (measured: docs/performance.md, Design measurements). So the engine
+// holds HVDLITE_CPU_CHANNELS Gloo groups for CPU data (rank 0's value, agreed at init), and an
+// allreduce of at least 2 x kStripeBytes is cut into chunks spread over the channels (Note
+// [Pipelined fusion over channels]; it was first cut into one equal stripe per channel). The
+// cut depends only on the element count and the channel count, so every rank cuts the same
+// way. Only this route uses more than the first group, so where the plan takes another
+// (hierarchical, shared memory) only the first is made (Note [Transport plan]): it carries what
+// that route does not run.
 //
 // Note [Pipelined fusion over channels]
 // A fused batch on the channels used to be copied into its fusion buffer whole, allreduced,
-// and copied out whole: two passes over the buffer around the transfer, 40 ms of a 950 ms
-// ResNet-50 allreduce across 1 Gbit/s hosts here, where one 102 MB tensor in place took 860.
-// So the channels take a batch of at least 2 x kStripeBytes by element range instead
-// (AllreduceStaged): the buffer is cut into chunks, about kChunksPerChannel per channel, of
-// kStripeBytes to kMaxChunkBytes; chunk c travels on channel c % channels, at most one chunk
-// per channel at a time (a Gloo group runs two works at once, which would finish the chunks in
-// waves rather than in order). The first chunk starts as soon as it is copied in, the rest are
-// copied in while it travels, and each chunk is finished and copied out as soon as it is
-// reduced, while the next ones travel. In a buffer that holds the whole batch, every chunk is
-// copied in before the first is copied out, so a batch whose members share memory stays exact
-// (a batch streamed through a smaller buffer has members that share none). The cut depends
-// only on the element count and the channel count. The link idles until the first chunk is copied in, so it is a quarter of
+// and copied out whole: two passes over the buffer around the transfer, while the link
+// carried nothing (measured: docs/performance.md, Design measurements). So the channels take a
+// batch of at least 2 x kStripeBytes by element range instead (AllreduceStaged): the buffer is
+// cut into chunks, about kChunksPerChannel per channel, of kStripeBytes to kMaxChunkBytes;
+// chunk c travels on channel c % channels, at most one chunk per channel at a time (a Gloo
+// group runs two works at once, which would finish the chunks in waves rather than in order).
+// The first chunk starts as soon as it is copied in, the rest are copied in while it travels,
+// and each chunk is finished and copied out as soon as it is reduced, while the next ones
+// travel. In a buffer that holds the whole batch, every chunk is copied in before the first is
+// copied out, so a batch whose members share memory stays exact (a batch streamed through a
+// smaller buffer has members that share none). The cut depends only on the element count and
+// the channel count. The link idles until the first chunk is copied in, so it is a quarter of
 // the others; and chunks are copied out in order, but a channel whose chunk ended starts its
-// next one at once: the thread looks for ended chunks (Work::isCompleted) after every chunk it
-// copies in and every megabyte it copies out. Measured with bench/linkprofile.py (102 MB over
-// 1 Gbit/s, MTU 9000), the link's idle time inside a call went from 12.6-15.7 ms to 7-14 ms.
+// next one at once: the thread looks for ended chunks (WorkWindow::Poll in pipeline.h) after
+// every chunk it copies in and every megabyte it copies out. The short first chunk and the early
+// starts shortened the link's idle time inside a call (measured: docs/performance.md, Design
+// measurements).
 // AllreduceFlat takes the same chunks (with nothing to copy): Note [Every path sends the same
-// chunks] in pipeline.h. A lone tensor reduced out of place goes this way with
-// its output as the buffer: the copy from its input is the copy in, and nothing is copied out
-// (it used to be copied whole before the first byte left: hvd.allreduce of 102 MB across those
-// hosts went from 896 ms to 830 ms).
+// chunks] in pipeline.h. A lone tensor reduced out of place goes this way with its output as
+// the buffer: the copy from its input is the copy in, and nothing is copied out (it used to be
+// copied whole before the first byte left; measured: docs/performance.md, Design measurements).
 //
 // Note [Prefaulting outputs while the link works]
 // An out-of-place allreduce writes its results into fresh tensors, whose pages the kernel maps
-// on first write. On the reference VM that costs about 2 us a page: copying a reduced 8 MB
-// float16 chunk out into its new float32 outputs took 14 ms, against 2.5 ms in place, and the
-// chunks that end last are copied out after the link has gone quiet (a per-chunk trace of
-// ResNet-50's 102 MB with fp16 compression across 1 Gbit/s hosts: 18 ms between the last byte
-// and the end of the call). So while the thread would block on the chunk it copies out next,
-// it maps the outputs of the chunks ahead (madvise MADV_POPULATE_WRITE, which keeps what the
-// pages hold), a megabyte at a time, looking for ended chunks between steps. The executor maps
-// only outputs that are not the inputs' own memory; a kernel without MADV_POPULATE_WRITE (before
+// on first write. That makes copying a chunk out into new outputs several times slower than
+// copying it in place, and the chunks that end last are copied out after the link has gone
+// quiet, so the mapping lengthens the call past its last byte (measured: docs/performance.md,
+// Design measurements). So while the thread would block on the chunk it copies out next, it
+// maps the outputs of the chunks ahead (madvise MADV_POPULATE_WRITE, which keeps what the pages
+// hold), a megabyte at a time, looking for ended chunks between steps. The executor maps only
+// outputs that are not the inputs' own memory; a kernel without MADV_POPULATE_WRITE (before
 // Linux 5.14) skips this.
 //
 // Note [Streaming a batch through its buffer]
 // The fusion threshold cut ResNet-50's 102 MB of gradients into a 64 MB batch and a 38 MB one,
 // and the link drained between them: the first batch's last chunks ended and were copied out
-// before the second's first chunk was copied in. Across two 1 Gbit/s hosts the grouped call's
-// data took 834 ms in two batches against 830 ms in one (HVDLITE_FUSION_THRESHOLD=128 MB), and
-// the link sat idle 12-14 ms in a call against 4-8 ms for one tensor of the same bytes. The
-// threshold is there to bound the fusion buffer, and on the channels a batch needs no more
-// buffer than the chunks in flight and ready to go: chunk c is staged in slot c % slots of the
-// buffer, and is copied in once the chunk that used the slot before it is copied out. So where
-// the buffer holds two of the largest chunks (kMaxChunkBytes), CPU allreduces fuse into
-// batches of up to kStreamedBatches thresholds (fusion.h) and stream through a buffer of
-// the threshold's size; the cut is the same as for a buffer that holds everything (Note [Every
-// path sends the same chunks] in pipeline.h). A slot is reused only after its chunk is copied out, so members must not share
-// memory with each other: the executor checks, and stages such a batch in a buffer of its own
-// size, allocated for the call, as it does where a member is no memcpy, so that the pooled
-// buffer stays within the threshold. A buffer of fewer slots than channels keeps fewer chunks
-// in flight (a 32 MiB threshold with 16 MiB chunks: two); the default 64 MiB holds four or more.
+// before the second's first chunk was copied in, so the two batches took longer than one and
+// left the link idle longer than one tensor of the same bytes (measured: docs/performance.md,
+// Design measurements). The threshold is there to bound the fusion buffer, and on the channels
+// a batch needs no more buffer than the chunks in flight and ready to go: chunk c is staged in
+// slot c % slots of the buffer, and is copied in once the chunk that used the slot before it is
+// copied out. So where the buffer holds two of the largest chunks (kMaxChunkBytes), CPU
+// allreduces fuse into batches of up to kStreamedBatches thresholds (fusion.h) and stream
+// through a buffer of the threshold's size; the cut is the same as for a buffer that holds
+// everything (Note [Every path sends the same chunks] in pipeline.h). A slot is reused only
+// after its chunk is copied out, so members must not share memory with each other: the
+// executor checks, and stages such a batch in a buffer of its own size, allocated for the call,
+// as it does where a member is no memcpy, so that the pooled buffer stays within the threshold.
+// A buffer of fewer slots than channels keeps fewer chunks in flight (a 32 MiB threshold with
+// 16 MiB chunks: two); the default 64 MiB holds four or more.
 #pragma once
 
 #include <ATen/core/Tensor.h>

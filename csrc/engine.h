@@ -1,9 +1,14 @@
 // Engine: one per process set (the global one is created by hvd.init()). Owns the tensor
-// queue, the handle table, the controller, the executor and the background thread, which is
-// the only thread that calls collectives on the control and data process groups.
+// queue, the handle table, the controller, the executor and the background thread.
 //
-// Python threads call Enqueue / Poll / Wait / Shutdown with the GIL released; they touch only
-// the queue and the handle table, each behind its own short-held mutex.
+// Negotiation rounds, and with them every collective on the control and data process groups,
+// run on whichever thread holds drive_mu_: the background thread, which holds it except while
+// it sleeps, or a caller blocked on a handle that finds it free (Note [A waiting caller runs
+// the round]); so one round at a time, and the round's state (controller, executor, channel,
+// timeline) needs no lock of its own. Python threads call Enqueue / Poll / Wait / Shutdown with
+// the GIL released; outside drive_mu_ they touch only the queue and the handle table, each
+// behind its own short-held mutex, the recorder (its own mutex) and the fields marked below as
+// under a mutex of their own.
 //
 // Note [Cycle policy]
 // The background thread negotiates when it has new requests, when it still waits on requests
@@ -11,34 +16,35 @@
 // costs no CPU, until a peer joins the round), when shutdown was asked for, and otherwise once
 // per idle heartbeat: every 100 ms for two seconds after the last activity, then every
 // HVDLITE_IDLE_HEARTBEAT_MS (default 1 s). A round with new requests waits while a burst of
-// pushes is still arriving (a push within every 100 us pause, at most 4 ms), so a loop of async calls shares
-// one round instead of sending its first tensor alone. Busy rounds start at least HVDLITE_CYCLE_TIME apart, so tensors that
-// arrive close together share a fused collective. Both pauses end as soon as a caller blocks
-// on a handle (Note [A waiting caller ends the gathering] in tensor_queue.h). When every rank waits on something and a
-// round changed nothing (ranks submitted different names), rounds back off exponentially up to
-// the heartbeat instead of spinning, until local work arrives.
+// pushes is still arriving (a push within every 100 us pause, at most 4 ms), so a loop of async
+// calls shares one round instead of sending its first tensor alone. Busy rounds start at least
+// HVDLITE_CYCLE_TIME apart, so tensors that arrive close together share a fused collective. Both
+// pauses end as soon as a caller blocks on a handle (Note [A waiting caller ends the gathering]
+// in tensor_queue.h). When every rank waits on something and a round changed nothing (ranks
+// submitted different names), rounds back off exponentially up to the heartbeat instead of
+// spinning, until local work arrives.
 //
 // Note [A waiting caller runs the round]
 // A blocking call handed its round to the background thread and took it back: the push woke
-// the thread, the thread ran the round and completed the handle, and that woke the caller. On
-// the 2-core reference VM a 4-byte allreduce so took 18-40 us, against a 1-2 us shared-memory
-// ping-pong between the two processes, nearly all of it the two wake-ups (and the extra thread
-// competing for the cores while the peer's caller waits). So whichever thread holds drive_mu_
-// runs rounds (RunRoundHere): the background thread holds it except while it sleeps, and a
-// caller that blocks on a handle (Wait, WaitAll) and finds it free runs rounds itself until its
-// handles complete (a 4-byte allreduce: 8-10 us). A call that waits at once (hvd.allreduce and
+// the thread, the thread ran the round and completed the handle, and that woke the caller. A
+// tiny allreduce so took many times a shared-memory ping-pong between the two processes,
+// nearly all of it the two wake-ups (and the extra thread competing for the cores while the
+// peer's caller waits) (measured: docs/performance.md, Design measurements). So whichever
+// thread holds drive_mu_ runs rounds (RunRoundHere): the background thread holds it except
+// while it sleeps, and a caller that blocks on a handle (Wait, WaitAll) and finds it free runs
+// rounds itself until its handles complete. A call that waits at once (hvd.allreduce and
 // hvd.allreduce_, through Enqueue's `waits_now`) pushes without waking the thread. The ranks do
 // not care which thread runs a round: rounds pair up by their order on each rank. A caller
 // stops running rounds when the lock is busy, at shutdown, and when a round changed nothing
 // (its peers have not caught up: the background thread's back-off takes over); it wakes the
 // thread if work is left.
-// Its allocations are the catch: they land in the caller's heap (glibc's main arena, among Python's
-// objects and the script's tensors), and whatever outlives the call there pins that heap's pages.
-// In tests/reliability's 2,500-operation soak, caller rounds for work of any size grew the resident
-// size by 400-550 MB with the C heap in use flat; rounds of at most 1 MB, 40-65 MB (4 KiB: -2 to +33).
-// The soak names every operation anew, so each of its rounds leaves state that outlives it: the
-// name's response-cache entry (every rank's request). So a caller runs the round (CallerMayRun)
-// only while
+// Its allocations are the catch: they land in the caller's heap (glibc's main arena, among
+// Python's objects and the script's tensors), and whatever outlives the call there pins that
+// heap's pages: in tests/reliability's soak, caller rounds for work of any size grew the
+// resident size with the C heap in use flat (measured: docs/performance.md, Design
+// measurements). The soak names every operation anew, so each of its rounds leaves state that
+// outlives it: the name's response-cache entry (every rank's request). So a caller runs the
+// round (CallerMayRun) only while
 //   - at most kCallerRoundMaxBytes (4 KiB) are in flight on the rank, or
 //   - at most kCallerRoundKnownMaxBytes (4 MB) are, every one of them a CPU allreduce over shared
 //     memory, its output allocated by Python, that this rank sent before exactly so (a response
@@ -48,18 +54,12 @@
 //     not with a cast on the wire or a non-contiguous tensor (the fusion buffer would grow) nor
 //     where single copy starts at or below 4 MB (its block is allocated by its first round);
 // and never while rounds grow long-lived tables: the timeline's rows (a row per tensor name) and
-// the tuner's samples. With the soak's timeline and autotune on and callers still running those
-// rounds, the resident size grew 2-68 MB (the background thread alone: -18 to +21); without the
-// timeline and autotune, callers running rounds, -6 to +36 MB. A training-like loop whose callers
-// run every round up to 3 MB (tests/reliability/test_caller_rounds_steady.py) showed no upward
-// trend: -16 to +17 MB over 1,500 steps, -7 to +1 over 3,000 (the background thread: -3 to +7),
-// the spread being the script's own tensors. A 1 MB allreduce so went from 1.33-1.43x the
-// staged memory floor to 0.87-1.30x (bench/one_host.py: 13 runs, 7 of them at most 1.10x, the
-// rest in a noisier hour). With the background thread, its handoff took about 30 us in a quiet
-// loop (the timeline: 4 us until the thread started the round, 8 us back to the caller, and the
-// two threads' different wake-up times inside the exchange) and several times that where a
-// vCPU had gone idle. Enqueue skips waking the thread for such work too (AllKnownToCallers,
-// looked at only if drive_mu_ is free).
+// the tuner's samples. A training-like loop whose callers run every round up to 3 MB
+// (tests/reliability/test_caller_rounds_steady.py) shows no upward trend in resident size, and
+// a 1 MB allreduce run by its caller comes closer to the staged memory floor than one handed to
+// the background thread, whose handoff costs two wake-ups (more where a vCPU had gone idle)
+// (measured: docs/performance.md, Design measurements). Enqueue skips waking the thread for
+// such work too (AllKnownToCallers, looked at only if drive_mu_ is free).
 // The per-round state that lives on is written in place (Recorder::NextRound) and an inlined
 // allreduce allocates nothing (Note [Inline reduce in place]). The background thread looks at the
 // queue again whenever it takes the lock back, and skips a heartbeat that a caller's round made
@@ -75,23 +75,23 @@
 // result is copied into the caller's tensor when the caller takes it (TakeResult).
 //
 // Note [Gathering by size]
-// Every round costs both Gloo collectives' fixed CPU (about 0.7 ms of process CPU each on the
-// 2-rank reference VM, a 4 KB allreduce included), taken from a backward pass that shares the
-// core. Negotiating each layer's gradients as they appear cost a compute-bound CNN 14-18 rounds
-// per step where DDP runs two buckets, and 40-90 ms more CPU per step than DDP. So after a
-// burst, a round whose new requests add up to less than HVDLITE_GATHER_BYTES (default 4 MiB)
-// is held until more arrive, a caller waits (the optimizer's step() does; Note [A waiting
-// caller ends the gathering]) or HVDLITE_GATHER_MAX_MS (default 100) passes since the oldest
-// of them. Large gradients, which a communication-bound model wants on the wire at once, are
-// never held. Measured on SmallCNN (2 ranks, hvdlite/DDP step time, one run each): 1.03-1.07
-// negotiating layer by layer, 1.03 with 1 MiB / 50 ms, 1.00 with 4 MiB / 200 ms; process CPU
-// per step fell to DDP's.
+// Every round costs both Gloo collectives' fixed CPU, taken from a backward pass that shares
+// the core. Negotiating each layer's gradients as they appear cost a compute-bound CNN many
+// more rounds per step than DDP's buckets, and more CPU per step than DDP (measured:
+// docs/performance.md, Design measurements). So after a burst, a round whose new requests add
+// up to less than HVDLITE_GATHER_BYTES (default 4 MiB) is held until more arrive, a caller
+// waits (the optimizer's step() does; Note [A waiting caller ends the gathering]) or
+// HVDLITE_GATHER_MAX_MS (default 100) passes since the oldest of them. Large gradients, which a
+// communication-bound model wants on the wire at once, are never held. Holding small rounds so
+// brought that CNN's step time and its process CPU per step down to DDP's (measured:
+// docs/performance.md, Design measurements).
 //
 // Note [Fatal errors]
-// Some failures make the engine unusable. The thread then completes every pending handle with
-// the failure's status, closes the queue so later calls fail at once with the same status,
-// and exits; the process lives on and every later call raises. Nothing escapes the thread
-// (an exception leaving it would end the process). Three kinds, told apart by their code:
+// Some failures make the engine unusable. The thread running the round then completes every
+// pending handle with the failure's status and closes the queue, so later calls fail at once
+// with the same status, and the background thread exits; the process lives on and every later
+// call raises. Nothing escapes the round, whichever thread runs it (an exception leaving the
+// background thread would end the process). Three kinds, told apart by their code:
 //   - the transport failed (a collective threw: a dead peer, a broken connection) or a peer
 //     sent a malformed control message: kRankFailure;
 //   - this rank could not take part (Executor reports an exception thrown before its

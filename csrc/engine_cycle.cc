@@ -214,7 +214,8 @@ void Engine::GatherBySize() {
 
 Clock::duration Engine::IdleHeartbeat(Clock::duration idle_for) const {
   // Note [Cycle policy]: soon after activity, a short heartbeat keeps a peer's shutdown or
-  // stall check prompt; a long-idle engine wakes rarely (each round costs the transport ~1 ms).
+  // stall check prompt; a long-idle engine wakes rarely (each round has a fixed cost in the
+  // transport; measured: docs/performance.md, Design measurements).
   const auto slow = Millis(config_.idle_heartbeat_ms);
   return idle_for < std::chrono::seconds(2) ? std::min(slow, Millis(kActiveHeartbeatMs)) : slow;
 }

@@ -1,7 +1,10 @@
 // Executor: runs one planned Batch on this rank: takes the local entries out of the queue,
 // copies inputs into the fusion buffer, runs one collective through the backend for the
 // tensors' device type, copies results out, applies averaging and scale factors, and completes
-// the handles. Background thread only.
+// the handles. Called on whichever thread runs the round: the background thread, or a waiting
+// caller that holds the engine's drive_mu_ (Note [A waiting caller runs the round] in
+// engine.h), so one batch at a time. It has no lock of its own: it takes the queue's and the
+// handle table's mutexes only to take its entries and to complete their handles.
 //
 // A failed item (mismatch, stall) completes its handle with the item's status. A rank that has
 // joined takes part in the others' collectives with a neutral input (Note [Join] in
@@ -16,13 +19,13 @@
 //
 // Note [Casting on the wire]
 // Compression.fp16 and bf16 send floating-point tensors as a narrower dtype. Cast in Python,
-// that cost a fresh tensor and a pass over the data on each side of the collective: ResNet-50's
-// 102 MB of gradients took 590 ms across 1 Gbit/s hosts where their 51 MB in float16 take 440.
-// So the caller may give a wire dtype at enqueue (allreduce only), the request carries it as
-// its dtype, and the executor casts as it copies each member into the fusion buffer, which is
-// of the wire dtype, and back out into the member's own dtype; over the channels the pipelined
-// copies (Note [Pipelined fusion over channels] in cpu_route.h) cast chunk by chunk while
-// other chunks travel, and an inlined tensor sends its bytes cast. Everything negotiated, the
+// that cost a fresh tensor and a pass over the data on each side of the collective (measured:
+// docs/performance.md, Design measurements). So the caller may give a wire dtype at enqueue
+// (allreduce only), the request carries it as its dtype, and the executor casts as it copies
+// each member into the fusion buffer, which is of the wire dtype, and back out into the
+// member's own dtype; over the channels the pipelined copies (Note [Pipelined fusion over
+// channels] in cpu_route.h) cast chunk by chunk while other chunks travel, and an inlined
+// tensor sends its bytes cast. Everything negotiated, the
 // agreement, the fusion and its byte threshold, is about the wire dtype, as when Python casts,
 // so a rank that passes float16 tensors fuses and agrees with one that casts float32 ones. The
 // prescale, the reduction, the average and the postscale all happen in the wire dtype and only

@@ -3,7 +3,9 @@
 //
 // PlanBatches is pure and deterministic: every rank plans the same ready list into the same
 // batches in the same order (Note [Replicated negotiation] in controller.h). The buffer pool
-// is used only by the background thread; no locking.
+// is the executor's, used only on the thread that runs the round (the background thread, or a
+// waiting caller that holds the engine's drive_mu_: Note [A waiting caller runs the round] in
+// engine.h); no locking.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,8 +24,9 @@ struct Batch {
 };
 
 // Allreduces, reducescatters and broadcasts that agree on dtype, device type, op, root, scale
-// factors and joined ranks are fused up to threshold_bytes per batch (a tensor larger than the threshold gets a batch of its
-// own). Failed items and other kinds get a batch each. Batches are ordered by their first item.
+// factors and joined ranks are fused up to threshold_bytes per batch (a tensor larger than the
+// threshold gets a batch of its own). Failed items and other kinds get a batch each. Batches
+// are ordered by their first item.
 // `cpu_streams`: the CPU route streams batches through a buffer of the threshold's size (Note
 // [Streaming a batch through its buffer] in cpu_route.h), so CPU allreduces fuse up to
 // kStreamedBatches thresholds.
@@ -34,9 +37,9 @@ int64_t RequestBytes(const Request& request);
 int64_t NumElements(const std::vector<int64_t>& shape);
 
 // Note [Persistent fusion buffers]
-// Allocating and first touching a 64 MB buffer costs 20-25 ms here while copying into a reused
-// one costs about 4 ms, so buffers live for the engine's lifetime, one per (device, dtype),
-// grown to the largest batch seen and never shrunk.
+// Allocating and first touching a large buffer costs several times what copying into a reused
+// one does (measured: docs/performance.md, Design measurements), so buffers live for the
+// engine's lifetime, one per (device, dtype), grown to the largest batch seen and never shrunk.
 class FusionBufferPool {
  public:
   // A flat, contiguous view of `numel` elements; valid until the next Get for the same key.

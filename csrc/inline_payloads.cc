@@ -14,10 +14,11 @@ namespace {
 
 // Note [Inline reduce in place]
 // An inlined allreduce's result was built with ATen operators: an at::empty and a memcpy per
-// rank, an add_ per rank, a view and a copy_ into the output, about 5 us of operator dispatch
-// for a 4-byte tensor, most of a small allreduce's own CPU. In the common case (a sum, average
-// or product, no prescale, a dense CPU output of the payloads' dtype, a dtype below) the
-// payloads are reduced by a typed loop straight into the output instead. The loop does what
+// rank, an add_ per rank, a view and a copy_ into the output, whose operator dispatch was most
+// of a small allreduce's own CPU (measured: docs/performance.md, Design measurements). In the
+// common case (a sum, average or product, no prescale, a dense CPU output of the payloads'
+// dtype, a dtype below) the payloads are reduced by a typed loop straight into the output
+// instead. The loop does what
 // those operators do element by element: the same order (rank 0, then 1, ...), the same
 // arithmetic (integers wrap as ATen's do, hence the unsigned sums; an average or a postscale
 // is one multiplication by postscale / divisor, in the float's own precision, or in double and

@@ -83,7 +83,7 @@ struct RankMessage {
 };
 
 // Note [Submission times]
-// Straggler attribution (straggler.h) compares when each rank submitted a tensor, and the ranks'
+// Straggler attribution (recorder.h) compares when each rank submitted a tensor, and the ranks'
 // clocks are not comparable (other hosts have other monotonic clocks). What every rank does
 // see at nearly the same instant is the end of a round's exchange: the collective returns on
 // every rank within its latency (microseconds on one host, a network round trip across

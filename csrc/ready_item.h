@@ -23,7 +23,7 @@ struct ReadyItem {
   bool inlined = false;            // every rank's data came with its request (payloads)
   std::vector<std::string> payloads;  // by rank, when inlined (Note [Inline small tensors])
   Status status;                   // not ok: this tensor fails on every rank with this status
-  // Note [Straggler attribution] (straggler.h): the contributor that submitted it last, and how
+  // Note [Straggler attribution] (recorder.h): the contributor that submitted it last, and how
   // long after the first (job clock); -1 and 0 with fewer than two contributors.
   int last_rank = -1;
   int64_t lag_us = 0;

@@ -1,7 +1,8 @@
 // Recorder: what an engine remembers about its own rounds for someone looking at the job from
-// outside: the straggler figures, the flight record and the metrics counters. The background
-// thread writes it (a few calls per round that decided something); Python threads read it.
-// One mutex, held for copies only.
+// outside: the straggler figures, the flight record and the metrics counters. The thread that
+// runs the round writes it (the background thread, or a waiting caller that holds the engine's
+// drive_mu_: Note [A waiting caller runs the round] in engine.h), a few calls per round that
+// decided something; Python threads read it. One mutex, held for copies only.
 //
 // Note [Straggler attribution]
 // Every rank's controller sees, for each tensor it decides, when every contributor submitted it
@@ -12,11 +13,10 @@
 // and 95th percentile of its lag in those. A rank is flagged (consistently last) when it was
 // last in at least max(0.6, 1.75/size) of at least kStragglerMinRounds samples with a median
 // lag of at least HVDLITE_STRAGGLER_MIN_LAG_MS (default 10 ms): a rank that is last by chance
-// is last in about 1/size of the rounds, and short lags are scheduling noise. Measured on the
-// 2-core reference VM, 3 ranks of a small model, nobody sleeping: every rank was last in
-// 22-54% of the rounds with median lags of 12-16 ms (three processes share two cores, so one
-// of them is always waiting for a time slice); with the last rank sleeping 50 ms before each
-// backward it was last in 95-100% with a median of 51-53 ms.
+// is last in about 1/size of the rounds, and short lags are scheduling noise (where ranks
+// outnumber the cores, one of them is always waiting for a time slice), while a rank that
+// sleeps before each backward pass is last in nearly every round (measured:
+// docs/performance.md, Design measurements).
 // The samples come from the same messages on every rank, so every rank's figures agree once
 // the ranks have decided the same rounds (after any collective has completed everywhere).
 //
@@ -25,7 +25,7 @@
 // clock, tensors and bytes, last rank and lag, the first kFlightItems tensors by name, op, size
 // and outcome), and what the engine thread was last doing (negotiating, or running which
 // collective since when). The collectives still pending are the controller's to tell; the
-// engine asks it on request (Engine::FlightRecord). hvdlite/_runtime/recorder.py writes them
+// engine asks it on request (Engine::PendingNow). hvdlite/_runtime/recorder.py writes them
 // to the dump files with every thread's Python stack.
 //
 // Note [Dump requests]

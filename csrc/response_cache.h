@@ -1,5 +1,7 @@
 // ResponseCache: the requests each rank made for names that were negotiated before, so a
-// repeated request travels as a 4-byte id instead of its full description.
+// repeated request travels as a 4-byte id instead of its full description. Owned by the
+// Controller and used by whichever thread holds the engine's drive_mu_ (Note [A waiting caller
+// runs the round] in engine.h); no locking of its own.
 //
 // Note [Response cache]
 // Training loops submit the same names with the same shapes every step. Every rank keeps an
@@ -10,8 +12,7 @@
 // state, because decoding happens before the round is processed. Anything that differs from
 // the cached request (a new name, another shape or op) is sent in full, and the cache entry is
 // replaced when that name is ready again. Least recently used entries are evicted past
-// HVDLITE_CACHE_CAPACITY (0 disables the cache). Used by whichever thread holds the engine's
-// drive_mu_ (Note [A waiting caller runs the round] in engine.h); no locking of its own.
+// HVDLITE_CACHE_CAPACITY (0 disables the cache).
 #pragma once
 
 #include <cstdint>

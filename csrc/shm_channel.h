@@ -1,12 +1,19 @@
-// ShmChannel: allreduce, allgather and broadcast through one shared-memory segment, for the
-// ranks of an engine that all run on one host.
+// ShmChannel: allreduce, allgather, broadcast and the negotiation's exchange through one
+// shared-memory segment, for the ranks of an engine that all run on one host. Its collectives
+// (Exchange, Allreduce, AllreducePieces, Allgather, Broadcast) are called by every rank of the
+// channel in the same order, on whichever thread runs the engine's rounds: the background
+// thread, or a waiting caller that holds the engine's drive_mu_ (Note [A waiting caller runs
+// the round] in engine.h), so one call at a time. The channel takes no lock: ranks meet at
+// barriers on atomic counters in the segment's header. A collective throws std::runtime_error
+// naming the rank when a peer exited, aborted or timed out. The counters for tests may be read
+// from any thread.
 //
 // Note [Shared-memory allreduce]
 // On one host, a Gloo allreduce still moves every byte through loopback TCP: system calls,
 // kernel copies and wake-ups on the cores that also run the ranks' compute. Through a shared
 // segment each rank copies its data in once, reduces its own share of everyone's data, and
-// copies the whole result out once. Measured on the 2-rank reference machine: 64 MB took
-// 15 ms against Gloo's 39 ms, 800 KB 0.08 ms against 0.48 ms.
+// copies the whole result out once: faster than Gloo for large buffers and small ones alike
+// (measured: docs/performance.md, Design measurements).
 //
 // Layout: a header page (one arrival counter per rank, each on its own cache line, a wake-up
 // word and an abort word), then two banks, each holding one slot per rank and one result area
@@ -21,9 +28,8 @@
 // lies in the batch's dtype, in segments of 64 KB or more on average (a fused batch's
 // members), and needs no prescale; else it copies it in as well: a choice each rank makes
 // alone, since peers read the same slots either way. For 2 ranks that saves half of step 1,
-// a fifth of the bytes each rank moves (1 MB in bench/one_host.py, builds alternated: 0.97,
-// 0.82 and 0.88x the floor against 1.09, 0.97 and 1.04x; 16 and 64 MB staged: 0.68-0.77x
-// against 0.90-1.02x); the values summed, and their order, are the same.
+// a fifth of the bytes each rank moves (measured: docs/performance.md, Design measurements);
+// the values summed, and their order, are the same.
 // Step 3 of chunk k needs no third barrier: chunk k+2 reuses the bank, and every rank writes
 // it only after the first barrier of chunk k+1, which no rank passes before all have left
 // chunk k. Every rank sums in the same order (rank 0's value first), and every rank copies the
@@ -33,28 +39,27 @@
 // (Note [Yield only while a caller waits]), it keeps spinning but calls sched_yield every 64
 // spins until 500 us have passed since the wait began (one budget for the whole wait, however
 // many peers it waits for); then, or at once when no caller waits, it sleeps on a futex in the
-// segment. The yielding phase is there because waking a sleeper is slow where cores idle: on
-// the 2-core reference VM a barrier whose peer was already there took 100-460 us when the
-// waiter had gone to sleep (its idle vCPU had to be woken), 1-8 us with yielding (grouped
-// 200 x 4 KB: 1.45 -> 1.13-1.36 ms). A sleeping rank wakes every
-// kCheckMs to check that the ranks it waits for are alive (their pids, which all live on this
-// host); a rank that exited makes this one throw naming it (the engine then reports a rank
-// failure, as for a broken Gloo connection). A rank that fails inside the channel sets the
-// abort word, so the others throw at once instead of waiting. A rank that is alive but never
-// arrives is given the channel's timeout: the process-group timeout, or the stall shutdown time
-// when that is shorter (hvdlite/_runtime/groups.py, _channel_timeout), and the error says
-// whether its process is stopped.
+// segment. The yielding phase is there because waking a sleeper is slow where cores idle: a
+// barrier whose peer was already there takes far longer when the waiter had gone to sleep (its
+// idle vCPU has to be woken) than when it yielded (measured: docs/performance.md, Design
+// measurements). A sleeping rank wakes every kCheckMs to check that the ranks it waits for are
+// alive (their pids, which all live on this host); a rank that exited makes this one throw
+// naming it (the engine then reports a rank failure, as for a broken Gloo connection). A rank
+// that fails inside the channel sets the abort word, so the others throw at once instead of
+// waiting. A rank that is alive but never arrives is given the channel's timeout: the
+// process-group timeout, or the stall shutdown time when that is shorter
+// (hvdlite/_runtime/groups.py, _channel_timeout), and the error says whether its process is
+// stopped.
 //
 // Note [Yield only while a caller waits]
 // Yielding is cheap only when the core has nothing better to run. A round that overlaps the
 // backward pass (nobody waits on a handle yet) shares the core with the rank's own compute,
 // and there sched_yield often gives nothing back: a scheduler that keeps fair time (EEVDF)
 // can pick the waiting thread again, since it slept while the compute ran and so is owed
-// time, and the compute stays preempted for the whole wait. Measured on SmallCNN (bench/step_profile.py): the
-// gradient push that started the mid-backward round left the compute thread runnable but not
-// running for 0.9-3.8 ms in about a third of the steps. So the engine passes the count of
-// waiting callers (TensorQueue::waiting), and a wait yields only while it is above zero: when
-// a caller blocks, its core is free and the peer's arrival is what everyone waits for.
+// time, and the compute stays preempted for the whole wait (measured: docs/performance.md,
+// Design measurements). So the engine passes the count of waiting callers
+// (TensorQueue::waiting), and a wait yields only while it is above zero: when a caller blocks,
+// its core is free and the peer's arrival is what everyone waits for.
 //
 // Note [Control exchange through shared memory]
 // The same segment also carries the negotiation round (ControlChannel::Exchange) of an engine
@@ -62,7 +67,8 @@
 // bank (64 KB), one barrier, everyone reads every slot; banks alternate, so a bank is written
 // again only after a later barrier, which no rank passes before it has read the bank. A message
 // too large for a slot travels by Gloo (the caller's fallback). The Gloo alltoall this replaces
-// took 0.2-0.5 ms per round on the reference machine, the whole cost of a small collective.
+// was the whole cost of a small collective (measured: docs/performance.md, Design
+// measurements).
 //
 // A rank whose channel is destroyed (its engine shut down) or that fails inside it sets the
 // abort word, so ranks still waiting on it fail at once, as a closed Gloo connection makes them.
@@ -83,19 +89,16 @@
 // by element as the staged path's kernels do, so the two paths give bit-identical results.
 // Claiming rather than a fixed share per rank matters in a training step: with one core per
 // rank, a rank still in its backward pass shares its core with its engine thread while a rank
-// that finished waits, so the waiting rank's engine takes most of the blocks. On the 2-core VM
-// the MLP step of bench/training.py went from a median 0.773x DDP to 0.741x (seven runs each,
-// the two builds alternated). Every rank resets the counter before the first barrier: all of
-// them passed the previous single-copy allreduce's closing barrier, so none still claims, and
-// none claims before that first barrier. tests/multirank/test_single_copy.py slows one rank
-// (HVDLITE_TEST_SHM_CLAIM_DELAY_US) and checks that the others take its blocks.
-// Measured on the 2-core reference VM: CMA moves 5-6 GB/s into a cached block where memcpy
-// moves ~25 GB/s, so below kSingleCopyMinBytes (8 MB, where the two crossed in
-// bench/one_host.py: 4 MB 0.96 against 0.91 ms staged, 8 MB 1.73 against 1.87) the staged path,
-// whose slots stay in cache and which makes no system calls, is faster.
-// Since each rank reads its own share in place (Note [Own share straight from the input]) the
-// two come close from 8 to 32 MB (8 MB 0.65-0.71x the floor single copy, 0.75-0.76x staged;
-// 32 MB 0.63-0.64x against 0.75-0.81x), so the threshold stays.
+// that finished waits, so the waiting rank's engine takes most of the blocks (measured:
+// docs/performance.md, Design measurements). Every rank resets the counter before the first
+// barrier: all of them passed the previous single-copy allreduce's closing barrier, so none
+// still claims, and none claims before that first barrier. tests/multirank/test_single_copy.py
+// slows one rank (HVDLITE_TEST_SHM_CLAIM_DELAY_US) and checks that the others take its blocks.
+// CMA moves data into a cached block several times slower than memcpy does, so below
+// kSingleCopyMinBytes (8 MB, where the two crossed in bench/one_host.py) the staged path, whose
+// slots stay in cache and which makes no system calls, is faster. Since each rank reads its
+// own share in place (Note [Own share straight from the input]) the two come close from 8 to
+// 32 MB, so the threshold stays (measured: docs/performance.md, Design measurements).
 //
 // Whether the job may use it is checked once, when the channel opens (hvdlite/_runtime/
 // groups.py): every rank publishes the address of a probe word (ProbeAddress), every rank reads
@@ -111,7 +114,6 @@
 //
 // Every rank takes this path for the same collectives: Python opens the channel on every rank
 // or on none (hvdlite/_runtime/groups.py), and the executor uses it for every CPU allreduce.
-// Background thread only, like the other backends.
 #pragma once
 
 #include <ATen/core/Tensor.h>

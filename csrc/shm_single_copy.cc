@@ -16,8 +16,8 @@ namespace hvdlite {
 namespace {
 
 // Bytes reduced per step: large enough that a process_vm_readv call moves many pages, small
-// enough that a block and its partner stay in cache (256 KB was the fastest block on the
-// reference VM: 6.3 GB/s into cache, against 4.4 GB/s at 1 MB).
+// enough that a block and its partner stay in cache (256 KB was the fastest block size
+// measured: docs/performance.md, Design measurements, Note [Single-copy allreduce]).
 constexpr int64_t kBlockBytes = 256LL << 10;
 constexpr size_t kMaxIov = IOV_MAX;
 

@@ -165,9 +165,9 @@ void HandleTable::Complete(int64_t handle, Completion completion) {
 // A fused batch completes all its handles at once. Completing them one by one, each with its
 // own notify, wakes a caller that waits for the whole group once per handle: on a machine
 // where the caller and the engine thread share cores, each of those wake-ups is a context
-// switch and a fight for this mutex (measured: 200 handles took 0.5 ms or 2-4 ms at random,
-// against 0.5 ms completed in one step). So a batch completes under one lock with one wake-up,
-// and a group's caller waits once for all of its handles.
+// switch and a fight for this mutex, and a large group's completion could take several times
+// as long (measured: docs/performance.md, Design measurements). So a batch completes under one
+// lock with one wake-up, and a group's caller waits once for all of its handles.
 void HandleTable::CompleteAll(std::vector<std::pair<int64_t, Completion>>* done) {
   {
     std::lock_guard<std::mutex> lock(mu_);

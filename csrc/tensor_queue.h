@@ -1,6 +1,8 @@
-// TensorQueue and HandleTable: the only state that Python threads and the background thread
-// share. Each has one mutex, held only for short map operations; neither ever calls into torch
-// or Python while holding it (Note [GIL and tensor references]).
+// TensorQueue and HandleTable: the state that Python threads (enqueuing, polling, waiting)
+// share with the thread that runs the rounds, the background thread or a waiting caller that
+// holds the engine's drive_mu_ (Note [A waiting caller runs the round] in engine.h). Any thread
+// may call them. Each has one mutex, held only for short map operations; neither ever calls
+// into torch or Python while holding it (Note [GIL and tensor references]).
 //
 // Note [GIL and tensor references]
 // Dropping the last reference to a tensor that Python created makes torch take the GIL. So a
@@ -47,7 +49,7 @@ class TensorQueue {
   // round] in engine.h).
   Status Push(std::vector<Entry> entries, bool wake = true);
 
-  // Requests pushed since the last call, in push order (background thread).
+  // Requests pushed since the last call, in push order (the thread that runs the round).
   std::vector<Request> TakeNewRequests();
   // Removes the entry for a name this rank submitted; false if there is none.
   bool TakeEntry(const std::string& name, Entry* out);

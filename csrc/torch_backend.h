@@ -1,6 +1,10 @@
 // TorchBackend: hvdlite's engine behind a torch.distributed process group, so that code written
 // for torch.distributed (DDP, FSDP2, ZeroRedundancyOptimizer, torch.distributed.checkpoint)
 // runs its collectives through the engine after init_process_group("hvdlite").
+// Its collectives may be called from any thread: each enqueues into the engine and returns a
+// TorchWork at once. A completion thread and a pool of delivery threads finish the works (Note
+// [Engine behind a process group]); one mutex, mu_, guards what they share, and no lock is held
+// while a callback runs.
 //
 // Note [Engine behind a process group]
 // hvdlite/torch_backend.py registers the backend "hvdlite" with torch.distributed; for every
