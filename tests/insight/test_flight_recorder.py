@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.harness import Job
 from tests.launcher.launcher_helpers import LAUNCH
 
@@ -58,6 +60,7 @@ def _check_report(text, script):
     assert "3 of 3 ranks wrote a record" in text, text
 
 
+@pytest.mark.slow
 def test_hvdliterun_dump_names_the_missing_rank_and_its_line(tmp_path):
     launcher, ready, script = _start(tmp_path, 30)
     try:
@@ -80,6 +83,7 @@ def test_hvdliterun_dump_names_the_missing_rank_and_its_line(tmp_path):
     assert "hvdliterun: hvdlite flight recorder: dump" in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_stall_warning_dumps_every_rank_and_the_job_goes_on(tmp_path):
     launcher, ready, script = _start(tmp_path, 6, {"HVDLITE_STALL_CHECK_TIME_SECONDS": "2"})
     out, err = launcher.communicate(timeout=90)
@@ -106,6 +110,7 @@ def stalled_rank(job_dir):
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_stall_failure_writes_the_dump_files_without_a_launcher(tmp_path):
     job_dir = tmp_path / "job"
     job = Job(2, "tests.insight.test_flight_recorder", "stalled_rank", str(job_dir),
@@ -135,6 +140,7 @@ print(f"rank {r} exact", flush=True)
 '''
 
 
+@pytest.mark.slow
 def test_dumping_a_healthy_job_does_not_disturb_it(tmp_path):
     script = tmp_path / "healthy.py"
     script.write_text(HEALTHY.lstrip("\n"))
@@ -196,6 +202,7 @@ def backend_timeout():
     return result
 
 
+@pytest.mark.slow
 def test_a_process_group_timeout_of_the_backend_writes_a_dump(tmp_path):
     job_dir = tmp_path / "job"
     results = Job(2, "tests.insight.test_flight_recorder", "backend_timeout",

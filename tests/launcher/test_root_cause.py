@@ -145,6 +145,7 @@ def fail_on_rank_1(mode):
     hvd.allreduce(torch.ones(2 if mode != "mismatch" else 2 + hvd.rank()), name="x")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("np", [2, 3])
 @pytest.mark.parametrize("mode", ["exit", "kill", "mismatch"])
 def test_runner_run_names_the_root_cause_of_each_kind(np, mode, capfd):

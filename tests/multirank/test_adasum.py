@@ -91,6 +91,7 @@ def _train_digits(op_name):
     return accuracy, weights
 
 
+@pytest.mark.slow
 def test_adasum_optimizer_trains_the_digits_example_like_averaging_does():
     (acc0, w0), (acc1, w1) = run_ranks(2, __name__, "_train_digits", "Adasum", timeout=180)
     assert torch.equal(w0, w1)  # every rank ends with the same model

@@ -169,6 +169,7 @@ def outcomes():
     return run_ranks(2, __name__, "_run_checks", timeout=400)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
 def test_compiled(outcomes, check):
     failures = [o[check] for o in outcomes if o[check]]

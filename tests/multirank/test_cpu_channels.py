@@ -170,6 +170,7 @@ def _batches_streamed_through_the_buffer():
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
 def test_batches_larger_than_the_threshold_stream_through_its_buffer(size):
     env = {**GLOO_ONLY, "HVDLITE_FUSION_THRESHOLD": str(32 * MIB)}
@@ -181,11 +182,13 @@ def test_ranks_taking_different_ways_into_the_channels_agree(size):
     assert all(run_ranks(size, __name__, "_ranks_that_fill_their_buffers_differently", timeout=120, env=GLOO_ONLY))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
 def test_striped_allreduce_matches_reference(size):
     assert all(run_ranks(size, __name__, "_striped_allreduces", timeout=120, env=GLOO_ONLY))
 
 
+@pytest.mark.slow
 def test_channel_count_is_rank_0s_when_ranks_disagree():
     # rank 1 asks for one channel, rank 0 for three: everyone must use rank 0's three groups,
     # or the group rendezvous would hang; results must still be exact

@@ -132,6 +132,7 @@ def _allreduces(expect_shared, single_copy_min=None):
 
 # the single-copy path on 3 ranks (uneven shares, three-way order); both paths on 2 and 3
 # ranks are compared bit for bit in test_single_copy.py
+@pytest.mark.slow
 @pytest.mark.parametrize("size,path", [(2, "staged"), (3, "staged"), (3, "single copy")])
 def test_shared_memory_allreduce_matches_reference(size, path):
     threshold = 0 if path == "staged" else 1
@@ -296,6 +297,7 @@ def _victim_or_survivor(victim, kind="allreduce"):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["allreduce", "staged allreduce", "allgather"])
 def test_rank_killed_inside_the_channel_fails_the_others_naming_it(kind):
     size, victim = 3, 2
@@ -336,6 +338,7 @@ def _stopped_peer(victim):
     return outcome
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_within_the_stall_time():
     # a SIGSTOPped peer is alive but frozen: the shared-memory barriers give it the stall
     # shutdown time, not the process-group timeout (groups._channel_timeout)

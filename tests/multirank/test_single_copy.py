@@ -65,6 +65,7 @@ def _both_paths():
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
 def test_single_copy_and_staged_paths_give_identical_results(size):
     assert all(run_ranks(size, __name__, "_both_paths", timeout=180))
@@ -152,6 +153,7 @@ def _slow_claimer(slow):
     return everyone, blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size,slow", [(2, 0), (2, 1), (3, 2)])
 def test_a_busy_rank_leaves_its_blocks_to_the_others(size, slow):
     # The slow rank pauses after each block it reduces: every block must still be reduced once,

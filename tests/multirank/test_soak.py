@@ -10,6 +10,8 @@ import resource
 import threading
 import time
 
+import pytest
+
 import torch
 
 import hvdlite as hvd
@@ -83,6 +85,7 @@ def _soak(seconds):
     return ops, warm_rss, end_rss, idle_cpu
 
 
+@pytest.mark.slow
 def test_soak_mixed_operations_from_threads_stay_correct_with_flat_memory():
     seconds = float(os.environ.get("HVDLITE_SOAK_SECONDS", "6"))
     size = int(os.environ.get("HVDLITE_SOAK_RANKS", "2"))

@@ -244,6 +244,7 @@ def _group_timeout():
     return out
 
 
+@pytest.mark.slow
 def test_the_process_group_timeout_fails_a_late_rank_and_a_wait_honours_its_own():
     results = Job(2, __name__, "_group_timeout").wait(timeout=60)
     for rank, other in ((0, 1), (1, 0)):

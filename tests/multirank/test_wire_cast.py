@@ -136,6 +136,7 @@ def _optimizer_and_autograd():
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("size", [2, 3])
 def test_engine_cast_equals_python_cast_and_reference(size, route):
