@@ -165,9 +165,5 @@ class Controller {
   uint64_t in_step_rounds_ = 0;  // rounds that took the short path (for tests)
 };
 
-// Compares the requests that `ranks` made for one name (by_rank[i] is ranks[i]'s). Returns Ok
-// when they agree, else the kMismatch status naming the field, the values and the ranks that
-// differ from the lowest rank.
-Status CheckAgreement(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
 
 }  // namespace hvdlite
