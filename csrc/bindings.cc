@@ -310,7 +310,12 @@ PYBIND11_MODULE(_core, m) {
            py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
            py::arg("shm").none(true) = nullptr, py::arg("cross").none(true) = py::none(),
            py::arg("route") = "gloo_channels", py::arg("control_timeout") = 0.0, py::arg("data_timeout") = 0.0)
-      .def("enqueue", &Enqueue, py::call_guard<py::gil_scoped_release>())
+      // One request per tensor, every option named (a grouped call, alltoall's splits, a wire
+      // dtype); enqueue_one is the same for one tensor without them, the per-tensor hot path.
+      .def("enqueue", &Enqueue, py::arg("kind"), py::arg("inputs"), py::arg("outputs"), py::arg("names"),
+           py::arg("op") = static_cast<int>(ReduceOp::kSum), py::arg("root") = 0, py::arg("prescale") = 1.0,
+           py::arg("postscale") = 1.0, py::arg("group") = "", py::arg("splits") = std::vector<std::vector<int64_t>>(),
+           py::arg("wire") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
       .def("new_name", &Engine::NewName, py::arg("prefix"))
       .def("poll",

@@ -154,8 +154,9 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
             core_handles = (runtime.engine.enqueue_one(kind, inputs[0], outputs[0], names[0], op,
                                                        root, prescale, postscale),)
         else:
-            core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale,
-                                                  postscale, group, list(splits), wire)
+            core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op=op, root=root,
+                                                  prescale=prescale, postscale=postscale, group=group,
+                                                  splits=list(splits), wire=wire)
     except Exception as exc:
         raise _state.explain(exc, state, runtime.engine)
     handle = next(state.handle_ids)
