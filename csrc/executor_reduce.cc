@@ -88,8 +88,8 @@ void Executor::Reduce(std::vector<Local>& locals, CollectiveBackend* backend) {
     batch.total += local.entry.input.numel();
     batch.casts = batch.casts || local.entry.input.scalar_type() != batch.wire;
   }
-  batch.finish = [this, &item, average](at::Tensor& part) {
-    Postprocess(part, average, item.average_divisor, item.request.postscale);
+  batch.finish = [&item](at::Tensor& part) {  // one pointer: fits std::function without an allocation
+    Postprocess(part, item.request.op == ReduceOp::kAverage, item.average_divisor, item.request.postscale);
   };
   for (const ReducePath& path : kReducePaths) {
     if ((this->*path.enabled)(batch)) {

@@ -402,33 +402,33 @@ void ShmChannel::Run(int64_t total, c10::ScalarType dtype, ReduceOp op, const Co
   // hierarchical route's lone ranks cut with the same function and chunk size.
   const std::vector<Chunk> cut = CutChunks(total, chunk_ / element);
   const int64_t count = static_cast<int64_t>(cut.size());
-  std::vector<int> banks(static_cast<size_t>(count));
+  const int first_bank = bank_;  // chunk k takes bank first_bank ^ (k & 1)
+  auto bank_of = [first_bank](int64_t k) { return first_bank ^ static_cast<int>(k & 1); };
   // Note [Hierarchical allreduce] (cpu_route.h): chunk k's host sum travels across hosts while
   // chunk k + 1 is reduced here (two lanes). Rank 0 of the channel starts it; the others have
-  // nothing to wait for.
-  WorkWindow travelling(across ? count : 0, 2, [&](int64_t k) {
+  // nothing to wait for. Without `across` the window stays empty.
+  WorkWindow travelling(across ? count : 0, 2, !across ? WorkWindow::Start() : [&](int64_t k) {
     if (rank_ != 0) return PendingWork();
-    at::Tensor reduced = at::from_blob(Result(banks[k]), {cut[k].n}, options);
+    at::Tensor reduced = at::from_blob(Result(bank_of(k)), {cut[k].n}, options);
     return across(reduced);
   });
   auto arrive = [&](int64_t k) {  // the job's sum is in: scale once, then everyone copies out
     travelling.Reap(k);
     travelling.ThrowIfFailed();
     if (rank_ == 0 && finish) {
-      at::Tensor reduced = at::from_blob(Result(banks[k]), {cut[k].n}, options);
+      at::Tensor reduced = at::from_blob(Result(bank_of(k)), {cut[k].n}, options);
       finish(reduced);
     }
     Barrier();
-    drain(Result(banks[k]), cut[k].begin, cut[k].n);
+    drain(Result(bank_of(k)), cut[k].begin, cut[k].n);
   };
   std::vector<Segment> own;
   try {
     if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
     for (int64_t k = 0; k < count; ++k) {
       const int64_t offset = cut[k].begin, n = cut[k].n;
-      const int bank = bank_;
+      const int bank = bank_of(k);
       bank_ ^= 1;
-      banks[k] = bank;
       const int64_t share = (n + size_ - 1) / size_;
       const int64_t begin = std::min(n, rank_ * share), end = std::min(n, begin + share);
       // Note [Own share straight from the input]: where my share lies in my input (its

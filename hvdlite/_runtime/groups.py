@@ -204,7 +204,7 @@ class TransportPlan(NamedTuple):
     plan and the same groups. Only the Gloo channels route stripes over several groups; the
     others make one, which carries what they do not run (alltoall, reducescatter through Gloo):
     each Gloo group brings a loop thread that wakes every 10 ms, two worker threads and a
-    connection per peer (docs/performance.md, idle cost)."""
+    connection per peer (measured: docs/performance.md, Design measurements)."""
     route: str          # "hierarchical", "shared_memory" or "gloo_channels"
     cpu_channels: int   # Gloo groups for CPU data
     shm: object         # this host's _core.ShmChannel, or None
