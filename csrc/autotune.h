@@ -1,8 +1,8 @@
 // Autotuner: the search behind HVDLITE_AUTOTUNE=1 for the fusion threshold and cycle time that
 // move the most bytes per second in this job. Pure logic over the numbers it is fed, so it is
 // testable in one process. Rank 0's engine owns one and feeds it after every round that did
-// something, under the engine's drive_mu_ (callers run no rounds while the search runs: Note
-// [A waiting caller runs the round] in engine.h). No locking.
+// something, under the engine's round lock (callers run no rounds while the search runs: Note
+// [A waiting caller runs the round] in round_driver.h). No locking.
 //
 // Note [Autotune]
 // Every rank must plan the same batches in a round (Note [Replicated negotiation]), so the

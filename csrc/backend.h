@@ -4,8 +4,8 @@
 // interface free of c10d headers keeps the rest of the core quick to compile and testable.
 //
 // Called on whichever thread runs the engine's rounds (the background thread, or a waiting
-// caller that holds the engine's drive_mu_: Note [A waiting caller runs the round] in
-// engine.h), one call at a time (several started allreduces may be in flight at once), so an
+// caller that holds the engine's round lock: Note [A waiting caller runs the round] in
+// round_driver.h), one call at a time (several started allreduces may be in flight at once), so an
 // implementation needs no lock. StartAllreduce does not wait: it returns the allreduce in
 // flight as a PendingWork (pipeline.h), whose Wait blocks until the collective is complete and
 // rethrows its failure, and whose Done says without blocking whether it has ended. Allreduce is

@@ -160,7 +160,7 @@ int64_t AllreduceInPlace(Engine& engine, const at::Tensor& tensor, const std::st
 
 // hvd.allreduce and hvd.allreduce_ in the same common case, enqueued and waited for in one
 // call; for small tensors, and allreduces repeated as a training loop does, the caller runs the
-// round itself (Note [A waiting caller runs the round] in engine.h).
+// round itself (Note [A waiting caller runs the round] in round_driver.h).
 // Returns the result, or None when the tensor is not that case (the general path takes it).
 py::object AllreduceNow(Engine& engine, const at::Tensor& tensor, const std::string& name, int op, bool in_place) {
   if (!Lean(tensor)) return py::none();
@@ -390,14 +390,14 @@ PYBIND11_MODULE(_core, m) {
            py::arg("timeout_seconds"), py::arg("chunk_bytes") = 0)
       .def_readonly_static("HIERARCHICAL_CHUNK", &ShmChannel::kHierarchicalChunk)
       .def_readonly_static("SINGLE_COPY_MIN_BYTES", &ShmChannel::kSingleCopyMinBytes)
-      .def_static("create", &ShmChannel::Create, py::arg("name"), py::arg("size"), py::arg("chunk_bytes") = 0)
-      .def_static("unlink", &ShmChannel::Unlink, py::arg("name"))
+      .def_static("create", &ShmSegment::Create, py::arg("name"), py::arg("size"), py::arg("chunk_bytes") = 0)
+      .def_static("unlink", &ShmSegment::Unlink, py::arg("name"))
       // Note [Single-copy allreduce]: the probe at init and the switch
       .def("probe_word", [](ShmChannel& c) { return std::make_pair(c.ProbeAddress(), c.ProbeValue()); })
       .def_static("can_reach", &ShmChannel::CanReach, py::arg("pid"), py::arg("address"), py::arg("value"))
       .def("enable_single_copy", &ShmChannel::EnableSingleCopy, py::arg("min_bytes") = ShmChannel::kSingleCopyMinBytes)
       .def_property_readonly("single_copy", &ShmChannel::single_copy_enabled)
-      .def_static("segment_bytes", &ShmChannel::SegmentBytes, py::arg("size"), py::arg("chunk_bytes") = 0);
+      .def_static("segment_bytes", &ShmSegment::Bytes, py::arg("size"), py::arg("chunk_bytes") = 0);
 
   // Note [Dump requests] (recorder.h)
   m.def("install_dump_signal", &InstallDumpSignal, py::arg("signum"));

@@ -72,7 +72,7 @@ struct Config {
   bool hierarchical_allreduce = false;
   // HVDLITE_CALLER_ROUNDS: 1 (default) lets a caller that blocks on a small result (or on
   // allreduces it has sent before) run the negotiation round itself when the background thread
-  // is idle (Note [A waiting caller runs the round] in engine.h); 0 leaves every round to the
+  // is idle (Note [A waiting caller runs the round] in round_driver.h); 0 leaves every round to the
   // background thread. Per rank.
   bool caller_rounds = true;
   // HVDLITE_AUTOTUNE: 1 makes rank 0 search the fusion threshold and cycle time during the

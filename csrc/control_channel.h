@@ -1,8 +1,8 @@
 // ControlChannel: the control plane's one primitive, "everyone's bytes", built on a CPU (Gloo)
 // CollectiveBackend reserved for negotiation, or on the shared-memory channel where every rank
 // shares the host. Exchange is called once per round by every rank, on whichever thread runs
-// the round (the background thread, or a waiting caller that holds the engine's drive_mu_: Note
-// [A waiting caller runs the round] in engine.h), so one exchange at a time; it takes no lock
+// the round (the background thread, or a waiting caller that holds the engine's round lock: Note
+// [A waiting caller runs the round] in round_driver.h), so one exchange at a time; it takes no lock
 // and reuses its tensors across rounds. Its counters for tests are atomics, read from any
 // thread.
 //

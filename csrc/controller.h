@@ -1,7 +1,7 @@
 // Controller: negotiation. Decides which tensors are ready on every rank, checks that the
 // ranks agree about them, and puts them in one order that every rank computes identically.
-// Called only by whichever thread holds the engine's drive_mu_ (the background thread or a
-// waiting caller: Note [A waiting caller runs the round] in engine.h); no locking.
+// Called only by whichever thread holds the engine's round lock (the background thread or a
+// waiting caller: Note [A waiting caller runs the round] in round_driver.h); no locking.
 //
 // Note [Replicated negotiation]
 // Every round, every rank sends its RankMessage to every rank over the control process group

@@ -1,7 +1,7 @@
 // CpuRoute: the way this engine's CPU allreduces and reducescatters travel, chosen once at
 // init() (MakeCpuRoute) and held by the executor for the engine's life. The executor calls it on
 // whichever thread runs the round: the background thread, or a waiting caller that holds the
-// engine's drive_mu_ (Note [A waiting caller runs the round] in engine.h), so one call at a time;
+// engine's round lock (Note [A waiting caller runs the round] in round_driver.h), so one call at a time;
 // a route takes no lock of its own. Each collective returns once it has ended on this rank
 // and throws std::exception when it fails (a peer that died, a broken connection).
 //

@@ -50,7 +50,8 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       params_{config.fusion_threshold_bytes, config.cycle_time_ms},
       recorder_(size, config.flight_recorder_rounds, config.straggler_min_lag_ms),
       last_exchange_end_us_(MonotonicMicros()),
-      callers_run_rounds_(config.caller_rounds && cuda_backend_ == nullptr) {
+      driver_(config.caller_rounds && cuda_backend_ == nullptr, rank, &queue_, &controller_,
+              hierarchical_ ? nullptr : shm_.get(), &timeline_) {
   if (shm_) shm_->YieldWhile(queue_.waiting());  // Note [Yield only while a caller waits]
   // Which way CPU reductions travel (Note [CPU routes]), for --verbose and the timeline.
   const std::string route_name = executor_.CpuRouteName();
@@ -60,6 +61,7 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
   }
   if (config.autotune && rank == 0) {
     tuner_ = std::make_unique<Autotuner>(params_, config.autotune_sample_seconds);
+    driver_.set_tuner(tuner_.get());
   }
   thread_ = std::thread([this] { Loop(); });
 }
@@ -122,13 +124,11 @@ Status Engine::Enqueue(std::vector<EnqueueArgs> args, std::vector<int64_t>* hand
     created.push_back(entry.handle);
     bytes += entry.bytes;
   }
-  // Note [A waiting caller runs the round]: a caller about to wait on small work, or on
-  // allreduces it has sent before, runs the round itself.
-  const bool caller_runs = waits_now && callers_run_rounds_ &&
-                           (bytes <= kCallerRoundMaxBytes || (bytes <= kCallerRoundKnownMaxBytes && AllKnownToCallers(entries)));
+  // Note [A waiting caller runs the round]
+  const bool caller_runs = driver_.CallerTakes(entries, bytes, waits_now);
   Status status = queue_.Push(std::move(entries), /*wake=*/!caller_runs);
   if (!status.ok()) {
-    // Another caller may have given up on running rounds while AllKnownToCallers held the
+    // Another caller may have given up on running rounds while CallerTakes held the
     // lock here; it counts on a holder that leaves work behind to wake the thread.
     if (caller_runs) queue_.Wake();
     for (int64_t h : created) handles_.Discard(h);

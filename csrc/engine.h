@@ -2,13 +2,13 @@
 // queue, the handle table, the controller, the executor and the background thread.
 //
 // Negotiation rounds, and with them every collective on the control and data process groups,
-// run on whichever thread holds drive_mu_: the background thread, which holds it except while
-// it sleeps, or a caller blocked on a handle that finds it free (Note [A waiting caller runs
-// the round]); so one round at a time, and the round's state (controller, executor, channel,
-// timeline) needs no lock of its own. Python threads call Enqueue / Poll / Wait / Shutdown with
-// the GIL released; outside drive_mu_ they touch only the queue and the handle table, each
-// behind its own short-held mutex, the recorder (its own mutex) and the fields marked below as
-// under a mutex of their own.
+// run on whichever thread holds the round driver's lock: the
+// background thread, or a caller blocked on a handle that the driver lets run it (RoundDriver,
+// round_driver.h, Note [A waiting caller runs the round]); so one round at a time, and the
+// round's state (controller, executor, channel, timeline) needs no lock of its own. Python
+// threads call Enqueue / Poll / Wait / Shutdown with the GIL released; outside the lock they
+// touch only the queue and the handle table, each behind its own short-held mutex, the recorder
+// (its own mutex) and the fields marked below as under a mutex of their own.
 //
 // Note [Cycle policy]
 // The background thread negotiates when it has new requests, when it still waits on requests
@@ -23,48 +23,6 @@
 // in tensor_queue.h). When every rank waits on something and a round changed nothing (ranks
 // submitted different names), rounds back off exponentially up to the heartbeat instead of
 // spinning, until local work arrives.
-//
-// Note [A waiting caller runs the round]
-// A blocking call handed its round to the background thread and took it back: the push woke
-// the thread, the thread ran the round and completed the handle, and that woke the caller. A
-// tiny allreduce so took many times a shared-memory ping-pong between the two processes,
-// nearly all of it the two wake-ups (and the extra thread competing for the cores while the
-// peer's caller waits) (measured: docs/performance.md, Design measurements). So whichever
-// thread holds drive_mu_ runs rounds (RunRoundHere): the background thread holds it except
-// while it sleeps, and a caller that blocks on a handle (Wait, WaitAll) and finds it free runs
-// rounds itself until its handles complete. A call that waits at once (hvd.allreduce and
-// hvd.allreduce_, through Enqueue's `waits_now`) pushes without waking the thread. The ranks do
-// not care which thread runs a round: rounds pair up by their order on each rank. A caller
-// stops running rounds when the lock is busy, at shutdown, and when a round changed nothing
-// (its peers have not caught up: the background thread's back-off takes over); it wakes the
-// thread if work is left.
-// Its allocations are the catch: they land in the caller's heap (glibc's main arena, among
-// Python's objects and the script's tensors), and whatever outlives the call there pins that
-// heap's pages: in tests/reliability's soak, caller rounds for work of any size grew the
-// resident size with the C heap in use flat (measured: docs/performance.md, Design
-// measurements). The soak names every operation anew, so each of its rounds leaves state that
-// outlives it: the name's response-cache entry (every rank's request). So a caller runs the
-// round (CallerMayRun) only while
-//   - at most kCallerRoundMaxBytes (4 KiB) are in flight on the rank, or
-//   - at most kCallerRoundKnownMaxBytes (4 MB) are, every one of them a CPU allreduce over shared
-//     memory, its output allocated by Python, that this rank sent before exactly so (a response
-//     cache hit, KnownToCallers): a training loop's steady state, whose round allocates nothing
-//     that outlives it (ResponseCache::Record moves a known name's node, no allocation), unless
-//     a peer sends a name this rank has not (its pending entry waits for this rank's request);
-//     not with a cast on the wire or a non-contiguous tensor (the fusion buffer would grow) nor
-//     where single copy starts at or below 4 MB (its block is allocated by its first round);
-// and never while rounds grow long-lived tables: the timeline's rows (a row per tensor name) and
-// the tuner's samples. A training-like loop whose callers run every round up to 3 MB
-// (tests/reliability/test_caller_rounds_steady.py) shows no upward trend in resident size, and
-// a 1 MB allreduce run by its caller comes closer to the staged memory floor than one handed to
-// the background thread, whose handoff costs two wake-ups (more where a vCPU had gone idle)
-// (measured: docs/performance.md, Design measurements). Enqueue skips waking the thread for
-// such work too (AllKnownToCallers, looked at only if drive_mu_ is free).
-// The per-round state that lives on is written in place (Recorder::NextRound) and an inlined
-// allreduce allocates nothing (Note [Inline reduce in place]). The background thread looks at the
-// queue again whenever it takes the lock back, and skips a heartbeat that a caller's round made
-// unnecessary. HVDLITE_CALLER_ROUNDS=0 turns it off; never where CUDA is on (the CUDA work runs on
-// the background thread's streams).
 //
 // Note [Inference tensors]
 // Rounds run outside inference mode, on whichever thread (Note [A waiting caller runs the
@@ -124,6 +82,7 @@
 #include "executor.h"
 #include "logging.h"
 #include "recorder.h"
+#include "round_driver.h"
 #include "tensor_queue.h"
 #include "timeline.h"
 
@@ -197,7 +156,7 @@ class Engine {
   const Config& config() const { return config_; }
   bool shared_memory() const { return shm_ != nullptr && !hierarchical_; }
   // Note [A waiting caller runs the round]: how many rounds callers have run (tests).
-  uint64_t caller_rounds() const { return caller_rounds_.load(); }
+  uint64_t caller_rounds() const { return driver_.caller_rounds(); }
   // Note [Slots sized by the last rounds] (control_channel.h): for tests.
   const ControlChannel& control_channel() const { return channel_; }
   // Note [Single-copy allreduce] (shm_channel.h): for benchmarks and tests; false where the
@@ -230,20 +189,12 @@ class Engine {
   void Loop();
   // One negotiation round; returns false when the engine must stop.
   bool RunRound(bool* stuck, bool* quiet);
-  // RunRound under drive_mu_, on whichever thread holds it, with Note [Fatal errors]'s
+  // RunRound under the driver's lock, on whichever thread holds it, with Note [Fatal errors]'s
   // handling and the state the next round's timing reads; false once the engine has stopped.
   bool RunRoundHere();
   // Note [A waiting caller runs the round]: rounds on the calling thread while `pending` holds
-  // and drive_mu_ is free.
+  // and the driver lets it.
   void RunRoundsWhile(const std::function<bool()>& pending);
-  // Note [A waiting caller runs the round]: whether a caller may run the next round (under
-  // drive_mu_), whether this engine lets callers run known work above kCallerRoundMaxBytes,
-  // and whether an entry is such work.
-  bool CallerMayRun();
-  bool CallersTakeKnownWork() const;
-  bool KnownToCallers(const Entry& entry) const;
-  // Whether every one of `entries` is, looked at under drive_mu_ if it is free (false if not).
-  bool AllKnownToCallers(const std::vector<Entry>& entries);
   // RunRound's steps: this rank's message for the round; every rank's, decoded, with the
   // status the round ends the engine with when a rank shuts down (Ok if none does), or a
   // kRankFailure when a message is malformed.
@@ -303,17 +254,9 @@ class Engine {
   std::string timeline_path_;              // under timeline_mu_
   uint64_t timeline_requested_ = 0, timeline_applied_ = 0;  // under timeline_mu_
   std::atomic<bool> stopped_{false};       // the background thread has exited
-  // Note [A waiting caller runs the round]: whoever holds drive_mu_ runs rounds; the rest of
-  // this block is under it.
-  const bool callers_run_rounds_;
-  // The most bytes in flight on this rank for which a caller runs the round.
-  static constexpr int64_t kCallerRoundMaxBytes = 4 << 10;
-  // The most for which a caller runs a round of allreduces it has run before (KnownToCallers).
-  static constexpr int64_t kCallerRoundKnownMaxBytes = 4 << 20;
-  std::atomic<uint64_t> caller_rounds_{0};  // rounds run by waiting callers (tests read it anywhere)
-  std::mutex drive_mu_;
-  bool finished_ = false;  // a round stopped the engine
-  bool stuck_ = false;     // the last round changed nothing while every rank waited (Note [Cycle policy])
+  // Note [A waiting caller runs the round]: whoever holds the driver's lock runs rounds; the
+  // rest of this block is under it.
+  RoundDriver driver_;
   Clock::duration backoff_ = std::chrono::microseconds(100);
   Clock::time_point last_round_ = Clock::now() - std::chrono::hours(1);  // when the last round started
   Clock::time_point last_round_end_ = Clock::now();

@@ -2,8 +2,8 @@
 // copies inputs into the fusion buffer, runs one collective through the backend for the
 // tensors' device type, copies results out, applies averaging and scale factors, and completes
 // the handles. Called on whichever thread runs the round: the background thread, or a waiting
-// caller that holds the engine's drive_mu_ (Note [A waiting caller runs the round] in
-// engine.h), so one batch at a time. It has no lock of its own: it takes the queue's and the
+// caller that holds the engine's round lock (Note [A waiting caller runs the round] in
+// round_driver.h), so one batch at a time. It has no lock of its own: it takes the queue's and the
 // handle table's mutexes only to take its entries and to complete their handles.
 //
 // A failed item (mismatch, stall) completes its handle with the item's status. A rank that has

@@ -4,8 +4,8 @@
 // PlanBatches is pure and deterministic: every rank plans the same ready list into the same
 // batches in the same order (Note [Replicated negotiation] in controller.h). The buffer pool
 // is the executor's, used only on the thread that runs the round (the background thread, or a
-// waiting caller that holds the engine's drive_mu_: Note [A waiting caller runs the round] in
-// engine.h); no locking.
+// waiting caller that holds the engine's round lock: Note [A waiting caller runs the round] in
+// round_driver.h); no locking.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,7 +1,7 @@
 // Kernels: the small per-tensor steps the executor applies around a collective: scaling,
 // averaging, and the copies into and out of fusion buffers. Free functions with no state and no
 // locks; the executor and the shared-memory channel call them on the thread that runs the round
-// (Note [A waiting caller runs the round] in engine.h).
+// (Note [A waiting caller runs the round] in round_driver.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>

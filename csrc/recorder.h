@@ -1,7 +1,7 @@
 // Recorder: what an engine remembers about its own rounds for someone looking at the job from
 // outside: the straggler figures, the flight record and the metrics counters. The thread that
 // runs the round writes it (the background thread, or a waiting caller that holds the engine's
-// drive_mu_: Note [A waiting caller runs the round] in engine.h), a few calls per round that
+// round lock: Note [A waiting caller runs the round] in round_driver.h), a few calls per round that
 // decided something; Python threads read it. One mutex, held for copies only.
 //
 // Note [Straggler attribution]

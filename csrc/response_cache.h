@@ -1,7 +1,7 @@
 // ResponseCache: the requests each rank made for names that were negotiated before, so a
 // repeated request travels as a 4-byte id instead of its full description. Owned by the
-// Controller and used by whichever thread holds the engine's drive_mu_ (Note [A waiting caller
-// runs the round] in engine.h); no locking of its own.
+// Controller and used by whichever thread holds the engine's round lock (Note [A waiting caller
+// runs the round] in round_driver.h); no locking of its own.
 //
 // Note [Response cache]
 // Training loops submit the same names with the same shapes every step. Every rank keeps an

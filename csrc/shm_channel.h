@@ -1,12 +1,14 @@
 // ShmChannel: allreduce, allgather, broadcast and the negotiation's exchange through one
-// shared-memory segment, for the ranks of an engine that all run on one host. Its collectives
-// (Exchange, Allreduce, AllreducePieces, Allgather, Broadcast) are called by every rank of the
-// channel in the same order, on whichever thread runs the engine's rounds: the background
-// thread, or a waiting caller that holds the engine's drive_mu_ (Note [A waiting caller runs
-// the round] in engine.h), so one call at a time. The channel takes no lock: ranks meet at
-// barriers on atomic counters in the segment's header. A collective throws std::runtime_error
-// naming the rank when a peer exited, aborted or timed out. The counters for tests may be read
-// from any thread.
+// shared-memory segment (ShmSegment, shm_segment.h: the layout, the barrier, liveness and
+// abort), for the ranks of an engine that all run on one host. This class holds the algorithms
+// over that segment.
+//
+// Contract: its collectives (Exchange, Allreduce, AllreducePieces, Allgather, Broadcast) are
+// called by every rank of the channel in the same order, on whichever thread runs the engine's
+// rounds (Note [A waiting caller runs the round] in round_driver.h), so one call at a time; the
+// channel takes no lock. A collective throws std::runtime_error naming the rank when a peer
+// exited, aborted or timed out, after aborting the segment so its peers fail at once too. The
+// counters for tests may be read from any thread.
 //
 // Note [Shared-memory allreduce]
 // On one host, a Gloo allreduce still moves every byte through loopback TCP: system calls,
@@ -15,10 +17,9 @@
 // copies the whole result out once: faster than Gloo for large buffers and small ones alike
 // (measured: docs/performance.md, Design measurements).
 //
-// Layout: a header page (one arrival counter per rank, each on its own cache line, a wake-up
-// word and an abort word), then two banks, each holding one slot per rank and one result area
-// of ChunkBytes (4 MB, less for many ranks, so the segment stays near 32 MB). A buffer is
-// processed in chunks of at most that, alternating banks:
+// The segment holds two data banks, each with one slot per rank and one result area of the
+// segment's chunk size (shm_segment.h). A buffer is processed in chunks of at most that,
+// alternating banks:
 //   1. copy my chunk into my slot of the bank; barrier;
 //   2. reduce my share (elements [rank*share, (rank+1)*share) of the chunk) over every rank's
 //      slot into the bank's result area; barrier;
@@ -35,31 +36,8 @@
 // chunk k. Every rank sums in the same order (rank 0's value first), and every rank copies the
 // same result area, so every rank receives bit-identical results.
 //
-// A barrier wait spins briefly (20 us); then, while a caller of this rank waits on a handle
-// (Note [Yield only while a caller waits]), it keeps spinning but calls sched_yield every 64
-// spins until 500 us have passed since the wait began (one budget for the whole wait, however
-// many peers it waits for); then, or at once when no caller waits, it sleeps on a futex in the
-// segment. The yielding phase is there because waking a sleeper is slow where cores idle: a
-// barrier whose peer was already there takes far longer when the waiter had gone to sleep (its
-// idle vCPU has to be woken) than when it yielded (measured: docs/performance.md, Design
-// measurements). A sleeping rank wakes every kCheckMs to check that the ranks it waits for are
-// alive (their pids, which all live on this host); a rank that exited makes this one throw
-// naming it (the engine then reports a rank failure, as for a broken Gloo connection). A rank
-// that fails inside the channel sets the abort word, so the others throw at once instead of
-// waiting. A rank that is alive but never arrives is given the channel's timeout: the
-// process-group timeout, or the stall shutdown time when that is shorter
-// (hvdlite/_runtime/groups.py, _channel_timeout), and the error says whether its process is
-// stopped.
-//
-// Note [Yield only while a caller waits]
-// Yielding is cheap only when the core has nothing better to run. A round that overlaps the
-// backward pass (nobody waits on a handle yet) shares the core with the rank's own compute,
-// and there sched_yield often gives nothing back: a scheduler that keeps fair time (EEVDF)
-// can pick the waiting thread again, since it slept while the compute ran and so is owed
-// time, and the compute stays preempted for the whole wait (measured: docs/performance.md,
-// Design measurements). So the engine passes the count of waiting callers
-// (TensorQueue::waiting), and a wait yields only while it is above zero: when a caller blocks,
-// its core is free and the peer's arrival is what everyone waits for.
+// Barriers wait as Note [Barrier waits] (shm_segment.h) says: spin, yield while a caller
+// waits, sleep on a futex, check the peers' pids, give up at the timeout naming the rank.
 //
 // Note [Control exchange through shared memory]
 // The same segment also carries the negotiation round (ControlChannel::Exchange) of an engine
@@ -127,36 +105,24 @@
 #include <unistd.h>
 
 #include "pipeline.h"
+#include "shm_segment.h"
 #include "types.h"
 
 namespace hvdlite {
 
 class ShmChannel {
  public:
-  // Creates (rank 0's job) a zero-filled segment for `size` ranks under `name` (a POSIX shared
-  // memory name such as "/hvdlite.123.abc"); the pages are reserved now, so a full /dev/shm is
-  // an error here instead of a SIGBUS later. Returns "" or what went wrong.
-  // `chunk_bytes` 0: ChunkBytes(size); the hierarchical allreduce passes kHierarchicalChunk.
-  static std::string Create(const std::string& name, int size, int64_t chunk_bytes = 0);
-  static void Unlink(const std::string& name);
-  // Maps the segment; throws std::runtime_error when it cannot. `rank` and `size` index the
-  // ranks sharing the segment; `ranks[i]` is what messages call the i-th (its engine rank) and
-  // `pids[i]` its process.
+  // Maps the segment (ShmSegment's constructor, whose arguments these are).
   ShmChannel(const std::string& name, int rank, int size, std::vector<int64_t> ranks, std::vector<int64_t> pids,
              double timeout_seconds, int64_t chunk_bytes = 0);
-  ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
-  // Note [Yield only while a caller waits]: `count` > 0 lets barrier waits yield before they
-  // sleep; null: always yield. Read only inside barrier waits, so by the thread that runs the
-  // collectives: whoever passes it keeps it alive while that thread runs (the engine sets it
-  // before starting its thread and clears it after joining it).
-  void YieldWhile(const std::atomic<int>* count) { callers_waiting_ = count; }
-  // Barrier waits that yielded and that slept at least once, since the channel opened (for
-  // tests of that Note; any thread may read them).
-  uint64_t waits_yielded() const { return waits_yielded_.load(); }
-  uint64_t waits_slept() const { return waits_slept_.load(); }
+  ShmSegment& segment() { return segment_; }
+  // Note [Yield only while a caller waits] (shm_segment.h).
+  void YieldWhile(const std::atomic<int>* count) { segment_.YieldWhile(count); }
+  uint64_t waits_yielded() const { return segment_.waits_yielded(); }
+  uint64_t waits_slept() const { return segment_.waits_slept(); }
   // Chunks whose share this rank reduced straight from its input (Note [Own share straight
   // from the input]; tests).
   uint64_t straight_shares() const { return straight_shares_.load(); }
@@ -244,38 +210,11 @@ class ShmChannel {
   int64_t single_copy_min() const { return single_copy_min_.load(); }
   static constexpr int64_t kSingleCopyMinBytes = 8LL << 20;
 
-  static size_t SegmentBytes(int size, int64_t chunk_bytes = 0);
   // Note [Hierarchical allreduce]: every host cuts buffers at the same element counts, so the
   // cross-host allreduces of the hosts' first ranks match; one chunk size for every host.
   static constexpr int64_t kHierarchicalChunk = 2LL << 20;
 
  private:
-  // The header page: the words below, the claim counter of Note [Single-copy allreduce] on its
-  // own cache line at kClaimsAt, then one arrival counter per rank at kArrivalsAt + 64 * rank.
-  static constexpr size_t kClaimsAt = 64, kArrivalsAt = 128;
-  struct Header {
-    std::atomic<uint32_t> futex;    // bumped by every arrival; sleepers wait on it
-    std::atomic<int32_t> sleepers;  // ranks asleep (or about to be) on `futex`
-    std::atomic<int32_t> abort;     // 0, or 1 + the rank that gave up
-  };
-  static size_t HeaderBytes(int size);
-  static int64_t ChunkBytes(int size);
-  static constexpr int64_t kControlSlot = 64LL << 10;
-  static size_t ControlBytes(int size) { return 2 * static_cast<size_t>(size) * kControlSlot; }
-  char* ControlSlot(int bank, int rank) const;
-  std::atomic<uint64_t>& Arrived(int rank) const;
-  // Note [Single-copy allreduce]: 1 while `rank` may still read or write its peers' tensors (the
-  // word after its arrival counter, on the same cache line).
-  std::atomic<uint32_t>& Inside(int rank) const;
-  // Note [Single-copy allreduce]: the next block of the current single-copy allreduce to claim.
-  std::atomic<uint64_t>& Claims() const;
-  // After this rank failed inside a single-copy allreduce: waits (at most 10 s) until every
-  // peer that is alive and not stopped has left it, so none writes into tensors this rank is
-  // about to free.
-  void AwaitPeersOut();
-
-  void Barrier();
-  void Wait(uint64_t target);
   // The chunk loop of both allreduces: `fill(to, offset, n)` copies this rank's elements
   // [offset, offset + n) to `to` (in its slot; calls come in increasing offsets),
   // `drain(result, offset, n)` copies them out of `result`. `prepare` runs on this rank's
@@ -284,11 +223,11 @@ class ShmChannel {
   // returns true after setting where this rank's elements [offset, offset + n) lie in memory,
   // as segments in element order, or false where some cast or they are too scattered.
   using Copy = std::function<void(char*, int64_t, int64_t)>;
-  struct Segment {
+  struct Stretch {  // elements of one rank's share lying together in memory
     const char* data;
     int64_t n;  // elements
   };
-  using Direct = std::function<bool(int64_t, int64_t, std::vector<Segment>*)>;
+  using Direct = std::function<bool(int64_t, int64_t, std::vector<Stretch>*)>;
   // Note [Own share straight from the input]: a share is reduced a segment at a time (each
   // one operator call, a few microseconds) only where its segments average at least this.
   static constexpr int64_t kStraightSegmentBytes = 64LL << 10;
@@ -304,35 +243,26 @@ class ShmChannel {
     uint64_t address;
     uint64_t bytes;
   };
+  // A rank publishes its lists in its slot of the bank: the two counts (input spans, output
+  // spans), then the input spans and the output spans. A slot holds at most a chunk's bytes.
+  static constexpr size_t kSpanListHeader = 2 * sizeof(uint64_t);
+  static constexpr uint64_t kMaxSpans = uint64_t{1} << 40;  // a count past this is corrupt
+  static size_t SpanListBytes(uint64_t in, uint64_t out) { return kSpanListHeader + sizeof(Span) * (in + out); }
   void SingleCopyPieces(const std::vector<Piece>& pieces, c10::ScalarType dtype, ReduceOp op, const Hook& prescale,
                         const Hook& finish);
   void RunSingleCopy(const std::vector<Span>& in, const std::vector<Span>& out, int64_t total,
                      c10::ScalarType dtype, ReduceOp op, const Hook& finish);
   static constexpr uint64_t kProbeMagic = 0x68766c6974652d31ULL;
-  void Abort();
-  char* Slot(int bank, int rank) const;
-  char* Result(int bank) const;
 
-  std::string name_;
-  int rank_;
-  int size_;
-  std::vector<int64_t> ranks_;
-  std::vector<int64_t> pids_;
-  double timeout_seconds_;
-  void* base_ = nullptr;
-  size_t bytes_ = 0;
-  Header* header_ = nullptr;
-  uint64_t barriers_ = 0;  // barriers this rank has completed
-  const std::atomic<int>* callers_waiting_ = nullptr;  // Note [Yield only while a caller waits]
-  std::atomic<uint64_t> waits_yielded_{0};
-  std::atomic<uint64_t> waits_slept_{0};
+  ShmSegment segment_;
+  const int rank_;  // the segment's rank and size
+  const int size_;
   std::atomic<uint64_t> straight_shares_{0};
   std::atomic<uint64_t> single_copy_blocks_{0};
   int bank_ = 0;
   int control_bank_ = 0;
   int64_t test_delay_ms_ = 0;  // HVDLITE_TEST_SHM_DELAY_MS, a test hook (see the constructor)
   int64_t test_claim_delay_us_ = 0;  // HVDLITE_TEST_SHM_CLAIM_DELAY_US, likewise
-  int64_t chunk_ = 0;  // bytes per slot (ChunkBytes)
   // Note [Single-copy allreduce]: whether the probe allowed it, and 0 (off) or the smallest
   // allreduce it takes.
   bool single_copy_allowed_ = false;

@@ -61,7 +61,7 @@ void ShmChannel::SingleCopyPieces(const std::vector<Piece>& pieces, c10::ScalarT
     }
     out.push_back({reinterpret_cast<uint64_t>(piece.out), static_cast<uint64_t>(piece.bytes)});
   }
-  if (static_cast<int64_t>(16 * (in.size() + out.size()) + 16) <= chunk_) {
+  if (static_cast<int64_t>(SpanListBytes(in.size(), out.size())) <= segment_.chunk_bytes()) {
     RunSingleCopy(in, out, total_bytes / element, dtype, op, finish);
     return;
   }
@@ -90,16 +90,16 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
   bank_ ^= 1;
   try {
     if (test_delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(test_delay_ms_));
-    char* mine = Slot(bank, rank_);
+    char* mine = segment_.Slot(bank, rank_);
     const uint64_t counts[2] = {in.size(), out.size()};
     std::memcpy(mine, counts, sizeof(counts));
-    std::memcpy(mine + 16, in.data(), 16 * in.size());
-    std::memcpy(mine + 16 + 16 * in.size(), out.data(), 16 * out.size());
+    std::memcpy(mine + kSpanListHeader, in.data(), sizeof(Span) * in.size());
+    std::memcpy(mine + kSpanListHeader + sizeof(Span) * in.size(), out.data(), sizeof(Span) * out.size());
     // Every rank left the last single-copy allreduce's closing barrier, so none claims from the
     // counter any more; every rank resets it, and none claims before the barrier below.
-    Claims().store(0);
-    Inside(rank_).store(1);
-    Barrier();
+    segment_.Claims().store(0);
+    segment_.Inside(rank_).store(1);
+    segment_.Barrier();
 
     // Every rank's lists, with each span's first byte (for Locate).
     struct Lists {
@@ -108,24 +108,24 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
     };
     std::vector<Lists> lists(size_);
     for (int r = 0; r < size_; ++r) {
-      const char* slot = Slot(bank, r);
+      const char* slot = segment_.Slot(bank, r);
       uint64_t n[2];
       std::memcpy(n, slot, sizeof(n));
-      if (16 * (n[0] + n[1]) + 16 > static_cast<uint64_t>(chunk_)) {
-        throw std::runtime_error("shared memory: rank " + std::to_string(ranks_[r]) + " published a corrupt span list");
+      if (n[0] > kMaxSpans || n[1] > kMaxSpans || SpanListBytes(n[0], n[1]) > static_cast<uint64_t>(segment_.chunk_bytes())) {
+        throw std::runtime_error("shared memory: rank " + std::to_string(segment_.engine_rank(r)) + " published a corrupt span list");
       }
-      const char* at = slot + 16;
+      const char* at = slot + kSpanListHeader;
       for (int d = 0; d < 2; ++d) {
         lists[r].spans[d].resize(n[d]);
-        std::memcpy(lists[r].spans[d].data(), at, 16 * n[d]);
-        at += 16 * n[d];
+        std::memcpy(lists[r].spans[d].data(), at, sizeof(Span) * n[d]);
+        at += sizeof(Span) * n[d];
         uint64_t sum = 0;
         for (const Span& span : lists[r].spans[d]) {
           lists[r].starts[d].push_back(sum);
           sum += span.bytes;
         }
         if (sum != static_cast<uint64_t>(total * element)) {
-          throw std::runtime_error("shared memory: rank " + std::to_string(ranks_[r]) + " offers " +
+          throw std::runtime_error("shared memory: rank " + std::to_string(segment_.engine_rank(r)) + " offers " +
                                    std::to_string(sum) + " bytes to a single-copy allreduce of " +
                                    std::to_string(total * element));
         }
@@ -162,17 +162,17 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
           }
         } else {
           iovec local{buffer + done, batch};
-          const pid_t pid = static_cast<pid_t>(pids_[r]);
+          const pid_t pid = static_cast<pid_t>(segment_.pid(r));
           const ssize_t moved = d == 0 ? process_vm_readv(pid, &local, 1, remote.data(), remote.size(), 0)
                                        : process_vm_writev(pid, &local, 1, remote.data(), remote.size(), 0);
           if (moved != static_cast<ssize_t>(batch)) {
             const int error = moved < 0 ? errno : EFAULT;
             if (error == ESRCH) {
-              throw std::runtime_error("rank " + std::to_string(ranks_[r]) + " (pid " + std::to_string(pids_[r]) +
+              throw std::runtime_error("rank " + std::to_string(segment_.engine_rank(r)) + " (pid " + std::to_string(segment_.pid(r)) +
                                        ") exited (seen in the shared-memory channel)");
             }
             throw std::runtime_error(std::string("shared memory: ") + (d == 0 ? "reading" : "writing") + " rank " +
-                                     std::to_string(ranks_[r]) + "'s tensor failed: " + std::strerror(error));
+                                     std::to_string(segment_.engine_rank(r)) + "'s tensor failed: " + std::strerror(error));
           }
         }
         done += batch;
@@ -196,11 +196,8 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
     const int64_t per_block = kBlockBytes / element;  // whole cache lines
     const uint64_t block_count = static_cast<uint64_t>((total + per_block - 1) / per_block);
     uint64_t reduced = 0;  // blocks this rank claimed (single_copy_blocks_, for tests)
-    for (uint64_t claimed = Claims().fetch_add(1); claimed < block_count; claimed = Claims().fetch_add(1), ++reduced) {
-      if (const int32_t aborted = header_->abort.load(); aborted != 0) {  // a peer failed: stop touching its memory
-        throw std::runtime_error("rank " + std::to_string(ranks_[aborted - 1]) +
-                                 " stopped taking part in the shared-memory channel");
-      }
+    for (uint64_t claimed = segment_.Claims().fetch_add(1); claimed < block_count; claimed = segment_.Claims().fetch_add(1), ++reduced) {
+      segment_.ThrowIfAborted();  // a peer failed: stop touching its memory
       const int64_t offset = static_cast<int64_t>(claimed) * per_block;
       const int64_t n = std::min(per_block, total - offset);
       const uint64_t at = static_cast<uint64_t>(offset * element), bytes = static_cast<uint64_t>(n * element);
@@ -230,12 +227,12 @@ void ShmChannel::RunSingleCopy(const std::vector<Span>& in, const std::vector<Sp
       if (test_claim_delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(test_claim_delay_us_));
     }
     single_copy_blocks_ += reduced;
-    Barrier();  // every block is in every output; no one reads this rank's input any more
-    Inside(rank_).store(0);
+    segment_.Barrier();  // every block is in every output; no one reads this rank's input any more
+    segment_.Inside(rank_).store(0);
   } catch (...) {
-    Inside(rank_).store(0);
-    Abort();
-    AwaitPeersOut();
+    segment_.Inside(rank_).store(0);
+    segment_.Abort();
+    segment_.AwaitPeersOut();
     throw;
   }
 }

@@ -1,6 +1,6 @@
 // TensorQueue and HandleTable: the state that Python threads (enqueuing, polling, waiting)
 // share with the thread that runs the rounds, the background thread or a waiting caller that
-// holds the engine's drive_mu_ (Note [A waiting caller runs the round] in engine.h). Any thread
+// holds the engine's round lock (Note [A waiting caller runs the round] in round_driver.h). Any thread
 // may call them. Each has one mutex, held only for short map operations; neither ever calls
 // into torch or Python while holding it (Note [GIL and tensor references]).
 //

@@ -4,9 +4,9 @@
 // (enqueue until every rank had submitted it) and its execution phases (COPY_IN, COLLECTIVE,
 // COPY_OUT, or INLINE for tensors that travelled inside the negotiation round), and a
 // "rounds" row with one marker per negotiation round that did something.
-// Used only by the thread that holds the engine's drive_mu_ (and by the engine's constructor,
+// Used only by the thread that holds the engine's round lock (and by the engine's constructor,
 // before its thread starts); while it is enabled that is the background thread, since callers
-// run no rounds then (Note [A waiting caller runs the round] in engine.h). No locking. When
+// run no rounds then (Note [A waiting caller runs the round] in round_driver.h). No locking. When
 // disabled every call returns at once. Start() and Stop() switch it at run time
 // (hvd.start_timeline / stop_timeline, applied by the engine's background thread).
 #pragma once

@@ -296,7 +296,7 @@ def _plain(tensor, average, name, op, prescale_factor, postscale_factor, process
 def _allreduce_now(tensor, name, op, in_place):
     """A synchronous allreduce of the `_plain` case in one native call (for small tensors and
     repeated allreduces the caller runs the round: Note [A waiting caller runs the round] in
-    csrc/engine.h): the result, or None when the engine does not take the tensor (the general
+    csrc/round_driver.h): the result, or None when the engine does not take the tensor (the general
     path then does, and says what is wrong)."""
     state = _state.current()
     engine = state.sets[0].engine

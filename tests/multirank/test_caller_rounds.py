@@ -1,5 +1,5 @@
 """A waiting caller running its own round (Note [A waiting caller runs the round] in
-csrc/engine.h): hvd.allreduce and hvd.allreduce_ in their common case take one native call and
+csrc/round_driver.h): hvd.allreduce and hvd.allreduce_ in their common case take one native call and
 the caller, not the background thread, runs the round. The values must not care which thread
 ran it, with caller rounds on or off, beside async work from other threads, in any grad mode."""
 

@@ -1,7 +1,7 @@
 """A training-like loop (the same names, shapes and ops every step, allreduces up to 3 MB, with
 the script's own tensors of 0.25-8 MB written and dropped between them): with caller rounds
 on, the waiting caller runs every round itself, also those above 4 KiB (Note [A waiting caller
-runs the round] in csrc/engine.h: a repeated CPU allreduce over shared memory up to 4 MB), and
+runs the round] in csrc/round_driver.h: a repeated CPU allreduce over shared memory up to 4 MB), and
 that leaves the resident size flat. With them off, the background thread runs the same rounds
 (the control: the callers' round count and the engine thread's CPU time tell the two apart).
 Every result is checked against the sum the test computes itself.
