@@ -3,47 +3,60 @@
 hvdliterun runs a `RendezvousServer` (runner/rendezvous.py re-exports this module), as does
 hvdlite.ray's executor; every rank builds a `SecretStore` (a `torch.distributed.Store`,
 hvdlite/_runtime/store.py) with `connect(...)` and hands it to torch.distributed. The wire protocol
-and the client are in hvdlite/_job/wire.py (Note [Rendezvous wire protocol]); this
-module is the server. It has no torch import, so the launcher itself starts fast.
+and the client are in hvdlite/_job/wire.py (Note [Rendezvous wire protocol]), the keys and what
+each operation does in table.py (Note [Store operations]); this module is the server. It has no
+torch import, so the launcher itself starts fast.
 
-Threads: one thread accepts connections and carries every handshake (Note [Bounded
-handshakes]); each authenticated connection then gets a thread of its own. They share the key
-table under one Condition (`_lock`), which blocking `get`/`wait` requests wait on. The client
-(`RendezvousClient`) keeps a small pool of authenticated connections, so one thread blocked in
-`get` never stops another thread of the same process from `set`-ting the key it waits for.
+Note [One loop serves the store]
+One thread serves every connection, whatever the job's size: it accepts, carries every
+handshake (Note [Bounded handshakes]) and answers every authenticated connection's requests
+from one selector, so a thousand ranks cost a thousand sockets and no threads (a thread per
+connection cost the launcher a thread per rank, and thousands of them at a thousand ranks). A
+connection is read only up to the end of its current request, and not at all while its reply
+is being sent or its request waits, so it holds at most one request and one reply. A blocking
+request (GET, WAIT, MULTI_GET of keys not set yet) is parked on the first key it still misses;
+a request that writes that key (or the launcher's own `set`, which wakes the loop through a
+socket pair) moves it on to the next missing key, looking at each of its keys once however
+they arrive (a thousand ranks each waiting for a thousand records cost a million looks, not a
+billion), and asks it again once none is missing; its deadline, kept in a heap, answers TIMEOUT
+naming the keys still missing. The key table has its own lock, so the launcher's threads read it directly.
 
 Note [Bounded handshakes]
 A listening port is open to anyone who can reach it, so what a stranger can make the server
-hold is bounded: no thread is started before a connection has proved it knows the job's
-secret. The accepting thread owns every connection still in its handshake, non-blocking, in
-one selector: it sends the nonce, collects the reply as it trickles in, and verifies it. At most
-MAX_PENDING connections are in their handshake at once (a new one beyond that closes the
-oldest), each has HANDSHAKE_DEADLINE seconds for all of it however slowly its bytes come, a
-reply frame larger than _MAX_HANDSHAKE_FRAME or anything after it closes the connection, and
-an accept that fails for want of file descriptors closes the oldest pending connection and
-goes on. So strangers cost at most MAX_PENDING descriptors and no threads, and a rank's
-connection, which answers at once, is never starved: at worst it retries (the client does).
-Nothing a connection sends before its MAC matches is stored or answered.
+hold is bounded: nothing is read from a connection beyond its handshake before it has proved it
+knows the job's secret. The loop sends the nonce, collects the reply as it trickles in, and
+verifies it. At most MAX_PENDING connections are in their handshake at once (a new one beyond
+that closes the oldest), each has HANDSHAKE_DEADLINE seconds for all of it however slowly its
+bytes come, a reply frame larger than _MAX_HANDSHAKE_FRAME or anything after it closes the
+connection, and an accept that fails for want of file descriptors closes the oldest pending
+connection and goes on. So strangers cost at most MAX_PENDING descriptors and no threads, and a
+rank's connection, which answers at once, is never starved: at worst it retries (the client
+does). Nothing a connection sends before its MAC matches is stored or answered.
 """
 import collections
 import errno
+import heapq
 import hmac
+import itertools
 import json
 import os
 import selectors
 import socket
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Set
 
 from . import keys
+from .table import Blocked, KeyTable, timed_out
 from .wire import (  # noqa: F401  (re-exported for the launcher and tests)
-    HANDSHAKE_DEADLINE, HANDSHAKE_TIMEOUT, MAGIC, _LEN, _MAX_HANDSHAKE_FRAME, RendezvousClient,
-    RendezvousError, RendezvousTimeout, _mac, encode_frame, new_secret, parse_fields, recv_frame,
-    send_frame)
+    HANDSHAKE_DEADLINE, HANDSHAKE_TIMEOUT, MAGIC, _LEN, _MAX_FRAME, _MAX_HANDSHAKE_FRAME,
+    RendezvousClient, RendezvousError, RendezvousTimeout, _mac, encode_frame, new_secret,
+    parse_fields, recv_frame, send_frame)
 
 MAX_PENDING = 64  # connections in their handshake at once (Note [Bounded handshakes])
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_READ_AT_ONCE = 1 << 20
+_LISTENER, _WAKE = "listener", "wake"
 
 
 class _Handshake:
@@ -53,6 +66,23 @@ class _Handshake:
         self.conn, self.nonce = conn, nonce
         self.received = bytearray()
         self.deadline = time.monotonic() + HANDSHAKE_DEADLINE
+
+
+class _Conn:
+    """An authenticated connection (Note [One loop serves the store]): the bytes of its next
+    request, the rest of its reply, and the request it has parked, if any."""
+
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        self.sock, self.rank = sock, rank
+        self.inbox = bytearray()
+        self.outbox = memoryview(b"")
+        self.events = 0            # what the selector watches it for (0: not registered)
+        self.parked: Optional[List[bytes]] = None  # the waiting request: [op, args...]
+        self.parked_on: Optional[bytes] = None     # the key it waits for
+        self.missing: List[bytes] = []             # the keys it lacked when it parked
+        self.cursor = 0                            # missing[:cursor] have been set since
+        self.deadline: Optional[float] = None
+        self.ticket = 0            # which park its heap entry belongs to
 
 
 def _by_rank(values) -> Dict[int, dict]:
@@ -73,105 +103,13 @@ def connect(addr, port, secret, rank=-1, timeout=None):
     return connect_store(addr, port, secret, rank=rank, timeout=timeout)
 
 
-class _KeyTable:
-    """The store's state and the semantics of each operation; callers hold no locks."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._data: Dict[bytes, bytes] = {}
-        self._closed = False
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-
-    def _wait_for(self, keys: Sequence[bytes], timeout_ms: int) -> bool:
-        # Called with _lock held.
-        deadline = None if timeout_ms <= 0 else time.monotonic() + timeout_ms / 1000.0
-        while not all(k in self._data for k in keys):
-            if self._closed:
-                raise RendezvousError("rendezvous server is shutting down")
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            self._lock.wait(timeout=remaining if remaining is not None else 1.0)
-        return True
-
-    def items_ending(self, suffix: bytes) -> Dict[bytes, bytes]:
-        with self._lock:
-            return {k: v for k, v in self._data.items() if k.endswith(suffix)}
-
-    def items_starting(self, prefix: bytes) -> Dict[bytes, bytes]:
-        with self._lock:
-            return {k: v for k, v in self._data.items() if k.startswith(prefix)}
-
-    def put(self, key: bytes, value: bytes) -> None:
-        with self._lock:
-            self._data[key] = value
-            self._lock.notify_all()
-
-    def peek(self, key: bytes) -> Optional[bytes]:
-        with self._lock:
-            return self._data.get(key)
-
-    def handle(self, op: bytes, args: List[bytes]) -> List[bytes]:
-        with self._lock:
-            if op == b"SET":
-                key, value = args
-                self._data[key] = value
-                self._lock.notify_all()
-                return [b"OK"]
-            if op == b"GET":
-                key, timeout_ms = args
-                if not self._wait_for([key], int(timeout_ms)):
-                    return [b"TIMEOUT", key]
-                return [b"OK", self._data[key]]
-            if op == b"ADD":
-                key, delta = args
-                value = int(self._data.get(key, b"0")) + int(delta)
-                self._data[key] = str(value).encode()
-                self._lock.notify_all()
-                return [b"OK", self._data[key]]
-            if op == b"CAS":
-                key, expected, desired = args
-                current = self._data.get(key)
-                # torch's semantics: a missing key matches an empty `expected`.
-                if (current is None and expected == b"") or current == expected:
-                    self._data[key] = desired
-                    self._lock.notify_all()
-                    return [b"OK", desired]
-                return [b"OK", expected if current is None else current]
-            if op == b"APPEND":
-                key, value = args
-                self._data[key] = self._data.get(key, b"") + value
-                self._lock.notify_all()
-                return [b"OK"]
-            if op == b"WAIT":
-                timeout_ms, keys = args[0], args[1:]
-                if not self._wait_for(keys, int(timeout_ms)):
-                    missing = [k for k in keys if k not in self._data]
-                    return [b"TIMEOUT", b", ".join(missing)]
-                return [b"OK"]
-            if op == b"CHECK":
-                return [b"OK", b"1" if all(k in self._data for k in args) else b"0"]
-            if op == b"DEL":
-                (key,) = args
-                existed = self._data.pop(key, None) is not None
-                return [b"OK", b"1" if existed else b"0"]
-            if op == b"NUMKEYS":
-                return [b"OK", str(len(self._data)).encode()]
-            if op == b"KEYS":
-                return [b"OK"] + sorted(self._data)
-        return [b"ERR", b"unknown operation " + op[:32]]
-
-
 class RendezvousServer:
     """Hosts the job's key-value store on (`host`, `port`), admitting only holders of `secret`.
 
     `host` is the address to bind: 127.0.0.1 when every rank is local, an interface address, or
     0.0.0.0 when remote ranks reach it. `addr` is what ranks should connect to (defaults to
-    `host`). Port 0 picks a free port; read it from `.port` after start().
+    `host`). Port 0 picks a free port; read it from `.port` after start(). One thread serves
+    everything (Note [One loop serves the store]).
     """
 
     def __init__(self, secret: str, host: str = "127.0.0.1", port: int = 0,
@@ -180,14 +118,22 @@ class RendezvousServer:
         self.host = host
         self.addr = addr or host
         self.port = port
-        self._table = _KeyTable()
+        self._table = KeyTable()
         self._listener: Optional[socket.socket] = None
-        self._threads: List[threading.Thread] = []
-        self._conns: Set[socket.socket] = set()
+        self._thread: Optional[threading.Thread] = None
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
         self._state_lock = threading.Lock()
         self._arrived: Dict[int, float] = {}
         self._refused = 0
+        self._requests: Dict[int, int] = collections.Counter()  # by rank (-1: not a rank)
+        self._written: List[bytes] = []  # keys the launcher set, for the loop to wake on
         self._stopping = threading.Event()
+        # the loop's own state
+        self._conns: Set[_Conn] = set()
+        self._waiters: Dict[bytes, List[_Conn]] = {}
+        self._deadlines: list = []
+        self._tickets = itertools.count(1)
 
     # -- lifecycle
     def start(self) -> "RendezvousServer":
@@ -195,30 +141,23 @@ class RendezvousServer:
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((self.host, self.port))
-        listener.listen(128)
-        listener.settimeout(0.25)  # lets the accept loop notice stop()
+        listener.listen(1024)
+        listener.setblocking(False)
         self._listener = listener
         self.port = listener.getsockname()[1]
-        thread = threading.Thread(target=self._accept_loop, name="hvdlite-rdzv-accept",
-                                  daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ, _LISTENER)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._thread = threading.Thread(target=self._loop, name="hvdlite-rdzv", daemon=True)
+        self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stopping.set()
-        self._table.close()
-        if self._listener is not None:
-            self._listener.close()
-        with self._state_lock:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread in self._threads:
-            thread.join(timeout=2.0)
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
 
     def __enter__(self) -> "RendezvousServer":
         return self.start()
@@ -249,6 +188,9 @@ class RendezvousServer:
     def set(self, key: str, value: bytes) -> None:
         """Stores `value` under `key`, waking the ranks that wait for it."""
         self._table.put(key.encode(), value)
+        with self._state_lock:
+            self._written.append(key.encode())
+        self._wake()
 
     def get(self, key: str) -> Optional[bytes]:
         """The value under `key`, or None when nobody has set it (never waits)."""
@@ -279,32 +221,66 @@ class RendezvousServer:
             return self._refused
 
     # -- threads
-    def _accept_loop(self) -> None:
-        """Note [Bounded handshakes]: accepts, and carries every handshake, on one thread."""
-        selector = selectors.DefaultSelector()
-        self._listener.setblocking(False)
-        selector.register(self._listener, selectors.EVENT_READ)
+
+    def requests_by_rank(self) -> Dict[int, int]:
+        """Requests answered so far, by the rank that sent them (-1: not a rank); for tests
+        and the scale bench."""
+        with self._state_lock:
+            return dict(self._requests)
+
+    # -- the loop (Note [One loop serves the store])
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"w")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending, or the server has stopped
+
+    def _loop(self) -> None:
         pending: "collections.OrderedDict[socket.socket, _Handshake]" = collections.OrderedDict()
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
-                wait = min([0.25] + [max(0.0, h.deadline - now) for h in pending.values()])
-                for key, _ in selector.select(timeout=wait):
-                    if key.fileobj is self._listener:
-                        self._accept_all(selector, pending)
-                    elif key.fileobj in pending:
-                        self._read_handshake(selector, pending, pending[key.fileobj])
+                soonest = [0.25] + [h.deadline - now for h in pending.values()]
+                if self._deadlines:
+                    soonest.append(self._deadlines[0][0] - now)
+                for key, events in self._selector.select(timeout=max(0.0, min(soonest))):
+                    what = key.data
+                    if what == _LISTENER:
+                        self._accept_all(pending)
+                    elif what == _WAKE:
+                        self._woken()
+                    elif isinstance(what, _Handshake):
+                        self._read_handshake(pending, what)
+                    elif what in self._conns:
+                        try:
+                            if events & selectors.EVENT_WRITE:
+                                self._flush(what)
+                            elif events & selectors.EVENT_READ:
+                                self._read(what)
+                        except Exception:  # noqa: BLE001 - one bad connection must not stop the store
+                            self._close(what)
                 now = time.monotonic()
                 for handshake in [h for h in pending.values() if h.deadline <= now]:
-                    self._drop(selector, pending, handshake)
+                    self._drop(pending, handshake)
+                self._expire(now)
         except (OSError, ValueError):
-            pass  # the listener was closed by stop()
+            pass  # the selector or the listener was closed under the loop: it is stopping
         finally:
             for handshake in list(pending.values()):
-                self._drop(selector, pending, handshake, refused=False)
-            selector.close()
+                self._drop(pending, handshake, refused=False)
+            for conn in list(self._conns):
+                if conn.parked is not None:  # best effort: the client may be gone
+                    try:
+                        conn.sock.send(encode_frame([b"ERR", b"rendezvous server is shutting down"]))
+                    except OSError:
+                        pass
+                self._close(conn)
+            for sock in (self._listener, self._wake_r, self._wake_w):
+                if sock is not None:
+                    sock.close()
+            self._selector.close()
 
-    def _accept_all(self, selector, pending) -> None:
+    def _accept_all(self, pending) -> None:
         while True:
             try:
                 conn, _ = self._listener.accept()
@@ -312,7 +288,7 @@ class RendezvousServer:
                 return
             except OSError as exc:
                 if exc.errno in _OUT_OF_DESCRIPTORS and pending:
-                    self._drop(selector, pending, next(iter(pending.values())))
+                    self._drop(pending, next(iter(pending.values())))
                     continue
                 if exc.errno in _OUT_OF_DESCRIPTORS:
                     time.sleep(0.05)  # nothing of ours to free: let the system recover
@@ -327,12 +303,12 @@ class RendezvousServer:
                 conn.close()
                 continue
             if len(pending) >= MAX_PENDING:
-                self._drop(selector, pending, next(iter(pending.values())))
+                self._drop(pending, next(iter(pending.values())))
             handshake = _Handshake(conn, nonce)
             pending[conn] = handshake
-            selector.register(conn, selectors.EVENT_READ)
+            self._selector.register(conn, selectors.EVENT_READ, handshake)
 
-    def _read_handshake(self, selector, pending, handshake) -> None:
+    def _read_handshake(self, pending, handshake) -> None:
         try:
             data = handshake.conn.recv(_MAX_HANDSHAKE_FRAME + 8)
         except (BlockingIOError, InterruptedError):
@@ -340,7 +316,7 @@ class RendezvousServer:
         except OSError:
             data = b""
         if not data:
-            self._drop(selector, pending, handshake)
+            self._drop(pending, handshake)
             return
         handshake.received += data
         got = handshake.received
@@ -348,22 +324,22 @@ class RendezvousServer:
             return
         (size,) = _LEN.unpack_from(got, 0)
         if size > _MAX_HANDSHAKE_FRAME or len(got) > 4 + size:  # oversized, or more than one frame
-            self._drop(selector, pending, handshake)
+            self._drop(pending, handshake)
             return
         if len(got) < 4 + size:
             return
         rank = self._verify(handshake.nonce, bytes(got[4:]))
         if rank is None:
-            self._drop(selector, pending, handshake)
+            self._drop(pending, handshake)
             return
-        selector.unregister(handshake.conn)
+        self._selector.unregister(handshake.conn)
         del pending[handshake.conn]
-        conn = handshake.conn
-        conn.setblocking(True)
-        thread = threading.Thread(target=self._serve, args=(conn, rank), name="hvdlite-rdzv-conn", daemon=True)
-        with self._state_lock:
-            self._conns.add(conn)
-        thread.start()
+        conn = _Conn(handshake.conn, rank)
+        self._conns.add(conn)
+        if rank >= 0:  # counted before the OK: Note [Rendezvous wire protocol], step 3
+            with self._state_lock:
+                self._arrived.setdefault(rank, time.monotonic())
+        self._send(conn, [b"OK"])
 
     def _verify(self, nonce: bytes, body: bytes) -> Optional[int]:
         """The rank the reply proves it may join as, or None."""
@@ -378,10 +354,10 @@ class RendezvousServer:
         except (ValueError, ConnectionError):
             return None
 
-    def _drop(self, selector, pending, handshake, refused=True) -> None:
+    def _drop(self, pending, handshake, refused=True) -> None:
         pending.pop(handshake.conn, None)
         try:
-            selector.unregister(handshake.conn)
+            self._selector.unregister(handshake.conn)
         except (KeyError, ValueError):
             pass
         if refused:  # counted before the close that the client sees
@@ -389,36 +365,148 @@ class RendezvousServer:
                 self._refused += 1
         handshake.conn.close()
 
-    def _serve(self, conn: socket.socket, rank: int) -> None:
-        try:
-            if rank >= 0:  # counted before the OK: Note [Rendezvous wire protocol], step 3
-                with self._state_lock:
-                    self._arrived.setdefault(rank, time.monotonic())
-            try:
-                send_frame(conn, [b"OK"])
-            except (OSError, ConnectionError):
-                return
-            conn.settimeout(None)
-            while not self._stopping.is_set():
-                try:
-                    request = recv_frame(conn)
-                except (OSError, ConnectionError):
-                    return
-                if not request:
-                    send_frame(conn, [b"ERR", b"empty request"])
-                    continue
-                try:
-                    reply = self._table.handle(request[0], request[1:])
-                except RendezvousError as exc:
-                    reply = [b"ERR", str(exc).encode()]
-                except (ValueError, TypeError):
-                    reply = [b"ERR", b"malformed arguments for " + request[0][:32]]
-                send_frame(conn, reply)
-        except OSError:
+    # -- authenticated connections
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if events == conn.events:
             return
-        finally:
-            with self._state_lock:
-                self._conns.discard(conn)
-            conn.close()
+        if conn.events == 0:
+            self._selector.register(conn.sock, events, conn)
+        elif events == 0:
+            self._selector.unregister(conn.sock)
+        else:
+            self._selector.modify(conn.sock, events, conn)
+        conn.events = events
 
+    def _close(self, conn: _Conn) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        self._unpark(conn)
+        self._watch(conn, 0)
+        conn.sock.close()
 
+    def _read(self, conn: _Conn) -> None:
+        """Reads no further than the end of the current request (Note [One loop serves the
+        store])."""
+        have = len(conn.inbox)
+        want = 4 - have if have < 4 else 4 + _LEN.unpack_from(conn.inbox, 0)[0] - have
+        try:
+            data = conn.sock.recv(min(want, _READ_AT_ONCE))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        conn.inbox += data
+        if len(conn.inbox) < 4:
+            return
+        (size,) = _LEN.unpack_from(conn.inbox, 0)
+        if size > _MAX_FRAME:
+            self._close(conn)
+            return
+        if len(conn.inbox) < 4 + size:
+            return
+        body = bytes(conn.inbox[4:])
+        conn.inbox = bytearray()
+        try:
+            request = parse_fields(body)
+        except ConnectionError:
+            self._close(conn)
+            return
+        with self._state_lock:
+            self._requests[conn.rank] += 1
+        if not request:
+            self._send(conn, [b"ERR", b"empty request"])
+            return
+        self._answer(conn, request, first=True)
+
+    def _answer(self, conn: _Conn, request: List[bytes], first: bool) -> None:
+        """Answers `request`, or parks it until a key it waits for is written."""
+        op = request[0]
+        try:
+            outcome, written = self._table.handle(op, request[1:])
+        except (ValueError, TypeError):
+            outcome, written = [b"ERR", b"malformed arguments for " + op[:32]], ()
+        if isinstance(outcome, Blocked):
+            self._park(conn, request, outcome, first)
+        else:
+            self._send(conn, outcome)
+        for key in written:
+            self._written_key(key)
+
+    def _park(self, conn: _Conn, request: List[bytes], blocked: Blocked, first: bool) -> None:
+        if first:
+            conn.deadline = time.monotonic() + blocked.timeout_ms / 1000.0 if blocked.timeout_ms > 0 else None
+            conn.ticket = next(self._tickets)
+            if conn.deadline is not None:
+                heapq.heappush(self._deadlines, (conn.deadline, conn.ticket, conn))
+        conn.parked, conn.missing, conn.cursor = request, blocked.missing, 0
+        self._wait_for_next(conn)
+        self._watch(conn, 0)
+
+    def _wait_for_next(self, conn: _Conn) -> None:
+        conn.parked_on = conn.missing[conn.cursor]
+        self._waiters.setdefault(conn.parked_on, []).append(conn)
+
+    def _unpark(self, conn: _Conn) -> Optional[List[bytes]]:
+        request, key = conn.parked, conn.parked_on
+        conn.parked = conn.parked_on = None
+        conn.missing = []
+        if key is not None:
+            waiting = self._waiters.get(key, [])
+            if conn in waiting:
+                waiting.remove(conn)
+            if not waiting:
+                self._waiters.pop(key, None)
+        return request
+
+    def _written_key(self, key: bytes) -> None:
+        for conn in self._waiters.pop(key, []):
+            conn.parked_on = None  # already off the list
+            if conn.parked is None or conn not in self._conns:
+                continue
+            conn.cursor = self._table.first_missing(conn.missing, conn.cursor + 1)
+            if conn.cursor < len(conn.missing):
+                self._wait_for_next(conn)
+                continue
+            request = self._unpark(conn)
+            self._answer(conn, request, first=False)  # parks again if a key went meanwhile
+
+    def _woken(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        with self._state_lock:
+            written, self._written = self._written, []
+        for key in written:
+            self._written_key(key)
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, ticket, conn = heapq.heappop(self._deadlines)
+            if conn.ticket != ticket or conn.parked is None or conn not in self._conns:
+                continue  # answered since, or gone
+            request = self._unpark(conn)
+            outcome, _ = self._table.handle(request[0], request[1:])
+            self._send(conn, timed_out(outcome) if isinstance(outcome, Blocked) else outcome)
+
+    def _send(self, conn: _Conn, fields: List[bytes]) -> None:
+        conn.outbox = memoryview(encode_frame(fields))
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            while conn.outbox:
+                sent = conn.sock.send(conn.outbox)
+                conn.outbox = conn.outbox[sent:]
+        except (BlockingIOError, InterruptedError):
+            self._watch(conn, selectors.EVENT_WRITE)
+            return
+        except OSError:
+            self._close(conn)
+            return
+        self._watch(conn, selectors.EVENT_READ)

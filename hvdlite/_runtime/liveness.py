@@ -3,7 +3,7 @@
 
 At init every rank publishes its host name and pid in the rendezvous store (with the build
 and settings record of _runtime/settings.py); before the engines start each rank reads the whole table
-(a rendezvous of every rank). When an engine
+in one request (a rendezvous of every rank). When an engine
 reports a rank failure, ranks on the same host can be checked directly: a peer whose pid no
 longer runs (or is a zombie) is the lost rank. Peers on other hosts are named by the address
 in the transport's message, mapped to the ranks on that host, and by a census.
@@ -48,7 +48,11 @@ def publish(store, prefix, rank, extra=None):
 
 
 def read(store, prefix, size):
-    return [json.loads(store.get(prefix + keys.proc(r))) for r in range(size)]
+    """Every rank's record, once all are published: two requests whatever the job's size
+    (Note [Store operations] in _job/table.py; torch's own stores' multi_get may not wait)."""
+    names = [prefix + keys.proc(r) for r in range(size)]
+    store.wait(names)
+    return [json.loads(v) for v in store.multi_get(names)]
 
 
 def running(pid):

@@ -110,11 +110,21 @@ class SecretStore(dist.Store):
         self._call(b"APPEND", [_bytes(key), _bytes(value)])
 
     def multi_get(self, keys) -> List[bytes]:
-        return [self.get(k) for k in keys]
+        """Every key's value in one request, waiting (as get does) until all of them exist."""
+        keys = [_bytes(k) for k in keys]
+        if not keys:
+            return []
+        return self._call(b"MULTI_GET", [str(_ms(self._timeout)).encode()] + keys, self._timeout)
 
     def multi_set(self, keys, values) -> None:
+        fields = []
         for k, v in zip(keys, values):
-            self.set(k, v)
+            fields += [_bytes(k), _bytes(v)]
+        if fields:
+            self._call(b"MULTI_SET", fields)
+
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get and multi_set are single requests
 
     def wait(self, keys, timeout: Optional[datetime.timedelta] = None) -> None:
         td = self._timeout if timeout is None else _as_timedelta(timeout)

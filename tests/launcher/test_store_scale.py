@@ -1,0 +1,134 @@
+"""The rendezvous store at a thousand clients (Note [One loop serves the store] in
+hvdlite/_job/server.py): one thread whatever the number of connections, blocking requests parked
+and answered when their keys arrive, MULTI_GET and MULTI_SET as single requests, and the
+requests one hvd.init() makes per rank counted at two job sizes."""
+import os
+import resource
+import socket
+import threading
+
+import pytest
+
+from hvdlite._job.wire import _mac, encode_frame, recv_frame
+from hvdlite.runner.rendezvous import RendezvousClient, RendezvousServer, new_secret
+from tests.harness import Job
+
+CLIENTS = 1000
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _authenticated(server, rank):
+    sock = socket.create_connection((server.addr, server.port), timeout=30)
+    _, nonce = recv_frame(sock)
+    rank_text = str(rank).encode()
+    sock.sendall(encode_frame([rank_text, _mac(server.secret, nonce, rank_text)]))
+    assert recv_frame(sock) == [b"OK"]
+    return sock
+
+
+@pytest.fixture
+def many_descriptors():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * CLIENTS + 256  # both ends of every connection live in this process
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"needs {need} file descriptors; the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, need), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_thousand_clients_wait_together_on_one_server_thread(many_descriptors):
+    server = RendezvousServer(new_secret()).start()
+    threads_before = threading.active_count()
+    rss_before = _rss_kib()
+    try:
+        socks = [_authenticated(server, rank) for rank in range(CLIENTS)]
+        assert threading.active_count() == threads_before  # no thread per connection
+        assert server.arrived_ranks() == set(range(CLIENTS))
+        names = [f"rank/{r}".encode() for r in range(CLIENTS)]
+        # every client first asks for every record, none of which exists yet: all park
+        for sock in socks:
+            sock.sendall(encode_frame([b"MULTI_GET", b"60000", *names]))
+        # then each publishes its own, the last of which answers everyone
+        setter = RendezvousClient(server.addr, server.port, server.secret, rank=-1)
+        for r in range(CLIENTS):
+            setter.call(b"SET", [names[r], f"record of {r}".encode()])
+        want = [b"OK"] + [f"record of {r}".encode() for r in range(CLIENTS)]
+        for sock in socks:
+            assert recv_frame(sock) == want
+        # one request each for the whole table, besides the setter's
+        counts = server.requests_by_rank()
+        assert all(counts[r] == 1 for r in range(CLIENTS)), counts
+        assert counts[-1] == CLIENTS
+        # the same connections take a MULTI_SET and a WAIT that times out naming what is missing
+        socks[0].sendall(encode_frame([b"MULTI_SET", b"a", b"1", b"b", b"2"]))
+        assert recv_frame(socks[0]) == [b"OK"]
+        socks[1].sendall(encode_frame([b"WAIT", b"200", b"a", b"never"]))
+        assert recv_frame(socks[1]) == [b"TIMEOUT", b"never"]
+        socks[2].sendall(encode_frame([b"MULTI_GET", b"0", b"b", b"a"]))
+        assert recv_frame(socks[2]) == [b"OK", b"2", b"1"]
+        assert threading.active_count() == threads_before
+        # a thousand connections and their parked requests cost megabytes, not a thread each
+        assert _rss_kib() - rss_before < 200 * 1024
+        for sock in socks:
+            sock.close()
+        setter.close()
+    finally:
+        server.stop()
+    assert not server._thread.is_alive()
+
+
+def test_a_client_that_leaves_while_parked_costs_nothing_later(many_descriptors):
+    server = RendezvousServer(new_secret()).start()
+    try:
+        for _ in range(50):
+            sock = _authenticated(server, 0)
+            sock.sendall(encode_frame([b"GET", b"never-set", b"0"]))
+            sock.close()
+        client = RendezvousClient(server.addr, server.port, server.secret, rank=1)
+        client.call(b"SET", [b"never-set", b"now"])  # wakes fifty departed waiters
+        assert client.call(b"GET", [b"never-set", b"1000"], 1000) == [b"now"]
+        client.close()
+        # every departed connection was closed and forgot its park
+        assert not server._waiters
+    finally:
+        server.stop()
+
+
+def _init_and_shutdown():
+    import hvdlite as hvd
+    hvd.init()
+    hvd.shutdown()
+    return True
+
+
+def _requests_per_rank(size):
+    server = RendezvousServer(new_secret()).start()
+    try:
+        env = {"HVDLITE_RENDEZVOUS_SECRET": server.secret, "HVDLITE_RENDEZVOUS_PORT": str(server.port),
+               "HVDLITE_CPU_CHANNELS": "1"}
+        assert all(Job(size, "tests.launcher.test_store_scale", "_init_and_shutdown", env=env).wait(timeout=120))
+        counts = server.requests_by_rank()
+    finally:
+        server.stop()
+    assert sorted(counts) == list(range(size)), counts
+    return counts
+
+
+@pytest.mark.slow
+def test_init_reads_every_ranks_record_in_constant_requests():
+    """hvd.init()'s own store requests (publishing and reading every rank's record, the
+    shared-memory agreement) do not grow with the job; what does grow is the Gloo groups'
+    rendezvous: each group's full mesh makes every rank wait for and get each peer's address
+    (2 requests per peer and group), which the control plane's issue removes."""
+    small, large = _requests_per_rank(2), _requests_per_rank(4)
+    groups = 2  # the control group and one CPU channel
+    for rank in range(2):
+        own_small = small[rank] - groups * 2 * 2
+        own_large = large[rank] - groups * 2 * 4
+        assert own_small == own_large, (small, large)
+        assert own_large <= 20, large
