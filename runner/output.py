@@ -1,8 +1,9 @@
 """Rank output: prefix every line with its rank and stream it, optionally also to files.
 
-One reader thread per rank pipe reads whole lines and writes each one, prefixed
-`[RANK]<stdout>: ` or `[RANK]<stderr>: `, under a single lock shared by both streams, so lines
-from different ranks never interleave mid-line. A rank's stdout goes to the launcher's stdout and
+The launcher's one I/O thread (io_loop.py, Note [One thread watches the ranks]) reads every
+rank's pipes and writes each whole line, prefixed `[RANK]<stdout>: ` or `[RANK]<stderr>: `,
+under a single lock shared with the launcher's own messages, so lines never interleave
+mid-line. A rank's stdout goes to the launcher's stdout and
 its stderr to the launcher's stderr. With an output directory, each rank also gets
 DIR/rank.N/stdout and DIR/rank.N/stderr holding its lines without prefixes.
 """
@@ -10,7 +11,9 @@ import os
 import sys
 import threading
 import time
-from typing import BinaryIO, IO, List, Optional
+from typing import BinaryIO, IO, Optional
+
+from .io_loop import IoLoop
 
 
 class OutputMux:
@@ -21,7 +24,7 @@ class OutputMux:
         self._err = stderr or sys.stderr
         self._dir = output_dir
         self._lock = threading.Lock()
-        self._threads: List[threading.Thread] = []
+        self.loop = IoLoop()  # also watches the ranks' exits (workers.py)
         if output_dir:
             os.makedirs(output_dir, exist_ok=True)
 
@@ -29,10 +32,10 @@ class OutputMux:
         """Start streaming one rank's pipes; returns at once."""
         for pipe, name, sink in ((stdout_pipe, "stdout", self._out),
                                  (stderr_pipe, "stderr", self._err)):
-            thread = threading.Thread(target=self._pump, args=(rank, pipe, name, sink),
-                                      name=f"hvdlite-output-{rank}-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            prefix = f"[{rank}]<{name}>: "
+            file = self._rank_file(rank, name)
+            self.loop.watch_pipe(pipe, lambda raw, p=prefix, f=file, s=sink: self._line(raw, p, f, s),
+                                 (lambda f=file: f.close()) if file is not None else (lambda: None))
 
     def _rank_file(self, rank: int, name: str) -> Optional[BinaryIO]:
         if not self._dir:
@@ -41,28 +44,21 @@ class OutputMux:
         os.makedirs(rank_dir, exist_ok=True)
         return open(os.path.join(rank_dir, name), "wb")
 
-    def _pump(self, rank: int, pipe: BinaryIO, name: str, sink: IO[str]) -> None:
-        prefix = f"[{rank}]<{name}>: "
-        file = self._rank_file(rank, name)
-        try:
-            for raw in iter(pipe.readline, b""):
-                if file is not None:
-                    file.write(raw)
-                    file.flush()
-                line = raw.decode(errors="replace")
-                if not line.endswith("\n"):
-                    line += "\n"  # a last line without newline still ends whole
-                if self._timestamps:  # "[1]<stdout>[Mon Nov 30 21:20:06 2026]: ..."
-                    stamp = time.strftime("%a %b %d %H:%M:%S %Y")
-                    self.write_line(f"{prefix[:-2]}[{stamp}]: {line}", sink)
-                else:
-                    self.write_line(prefix + line, sink)
-        except (OSError, ValueError):
-            pass  # the pipe was closed under us while stopping
-        finally:
-            if file is not None:
-                file.close()
-            pipe.close()
+    def _line(self, raw: bytes, prefix: str, file: Optional[BinaryIO], sink: IO[str]) -> None:
+        if file is not None:
+            try:
+                file.write(raw)
+                file.flush()
+            except (OSError, ValueError):
+                pass
+        line = raw.decode(errors="replace")
+        if not line.endswith("\n"):
+            line += "\n"  # a last line without newline still ends whole
+        if self._timestamps:  # "[1]<stdout>[Mon Nov 30 21:20:06 2026]: ..."
+            stamp = time.strftime("%a %b %d %H:%M:%S %Y")
+            self.write_line(f"{prefix[:-2]}[{stamp}]: {line}", sink)
+        else:
+            self.write_line(prefix + line, sink)
 
     def write_line(self, text: str, sink: Optional[IO[str]] = None) -> None:
         """Write text (one or more whole lines) without interleaving with rank output."""
@@ -72,11 +68,12 @@ class OutputMux:
                 sink.write(text)
                 sink.flush()
             except (OSError, ValueError):
-                pass  # a closed terminal must not kill the reader thread
+                pass  # a closed terminal must not stop the I/O thread
 
     def drain(self, timeout: float) -> bool:
         """Wait for every pipe to reach end of file; False if some are still open."""
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads)
+        return self.loop.wait_pipes(timeout)
+
+    def close(self) -> None:
+        """Stops the I/O thread (after drain: output still in a pipe is dropped)."""
+        self.loop.stop()

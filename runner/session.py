@@ -76,6 +76,7 @@ class LaunchSession:
             log(f"stopping ranks {running} with {signal.Signals(sig).name}")
             self.group.stop(sig, interrupted)
         self.mux.drain(timeout=5.0)
+        self.mux.close()
         self.reporter.stop()
         self.server.stop()
         _tidy(self.job_dir)

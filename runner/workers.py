@@ -1,7 +1,8 @@
 """Rank processes: start them (locally or over ssh), watch their exits, stop them all.
 
-Runs on the launcher's main thread, plus one waiter thread per rank that blocks in wait() and
-reports the exit through a queue (so the first failure is seen in the order it happened).
+Runs on the launcher's main thread; the launcher's one I/O thread (io_loop.py, Note [One
+thread watches the ranks]) sees each exit and reports it through a queue, so the first failure
+is seen in the order it happened.
 
 Every rank starts in a new session, hence its own process group: signals sent by the terminal
 to the launcher do not hit the ranks directly, and stopping a rank signals its whole group, so
@@ -33,7 +34,6 @@ import queue
 import shlex
 import signal
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -130,11 +130,7 @@ class WorkerGroup:
         rank = worker.slot.rank
         self._workers[rank] = worker
         self._mux.attach(rank, worker.process.stdout, worker.process.stderr)
-        threading.Thread(target=self._wait, args=(rank, worker.process),
-                         name=f"hvdlite-wait-{rank}", daemon=True).start()
-
-    def _wait(self, rank: int, process: subprocess.Popen) -> None:
-        self._exits.put((rank, process.wait()))
+        self._mux.loop.watch_exit(worker.process, lambda code: self._exits.put((rank, code)))
 
     # -- watching
     def running(self) -> List[int]:
