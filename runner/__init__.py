@@ -11,9 +11,11 @@ Map of the package (one concept per file):
                    SecretStore live in the library: hvdlite/_job/wire.py, _runtime/store.py)
   network.py       interface addresses, local-host detection, free ports
   discovery.py     network discovery: which interfaces every host reaches every host through
-  task_service.py  the task network discovery starts on each host (reports and probes)
+  task_service.py  the task network discovery starts on each host (reports, probes its ring
+                   neighbours)
   workers.py       starting local and ssh ranks, signals, stopping them all
   output.py        rank-prefixed output and per-rank files
+  io_loop.py       the one thread that reads every rank's pipes and sees every rank's exit
   errors.py        job results and the root-cause message
   session.py       what both launchers set up alike: the store, the base environment,
                    starting processes, the teardown

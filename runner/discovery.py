@@ -81,9 +81,10 @@ def _failed(task: subprocess.Popen, host: str) -> str:
 
 def plan(hosts: Sequence[str], probes: Mapping[int, Mapping[str, list]], infos: Mapping[int, dict],
          driver_addrs: Sequence[str]) -> NetworkPlan:
-    """The interfaces every host reached every other host through, and a driver address every
-    host reached. Pure: `probes[i][j]` lists [interface, address, reached] of host j as host i
-    probed them; `infos[i]` is what host i published."""
+    """The interfaces every host reached every host it probed through (its ring neighbours:
+    Note [Network discovery] in task_service.py), and a driver address every host reached.
+    Pure: `probes[i][j]` lists [interface, address, reached] of host j as host i probed them;
+    `infos[i]` is what host i published."""
     order = []
     for i in range(len(hosts)):
         for name in infos[i]["interfaces"]:
@@ -93,9 +94,8 @@ def plan(hosts: Sequence[str], probes: Mapping[int, Mapping[str, list]], infos: 
     named = [host if infos[i]["hostname"] == host else f"{host} ({infos[i]['hostname']})"
              for i, host in enumerate(hosts)]
     for i, host in enumerate(named):
-        for j, other in enumerate(named):
-            if i == j:
-                continue
+        for j in sorted(int(k) for k in probes[i]):
+            other = named[j]
             entries = probes[i][str(j)]
             through = {name for name, _, ok in entries if ok}
             tried = ", ".join(f"{name} {addr}" for name, addr, _ in entries) or "no addresses"
@@ -103,8 +103,8 @@ def plan(hosts: Sequence[str], probes: Mapping[int, Mapping[str, list]], infos: 
                           f"{', '.join(sorted(through)) or 'nothing'} (tried {tried})")
             common &= through
     if not common:
-        raise NetworkDiscoveryError("network discovery: no network interface reaches every host from every "
-                             "host: " + "; ".join(report) +
+        raise NetworkDiscoveryError("network discovery: no network interface reaches every host from its "
+                             "neighbours: " + "; ".join(report) +
                              " (give --network-interfaces to choose them yourself)")
     reached_by_all = [a for a in driver_addrs if all(a in infos[i]["driver_reached"] for i in infos)]
     if not reached_by_all:

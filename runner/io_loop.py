@@ -2,11 +2,15 @@
 
 Note [One thread watches the ranks]
 The launcher held a reader thread per rank's stdout, one per stderr and a waiter per rank:
-4,099 threads at 1,024 ranks. Now one thread waits in one selector on every pipe and on a
-process file descriptor per child (pidfd_open, Linux 5.3 and later), which becomes readable
-when the child exits: a pipe's bytes are handed on in whole lines, in the order they came, and
-an exit within the loop's wake-up, as promptly as a waiter thread saw it. Where pidfds are not
-available the loop polls its children every EXIT_POLL_SECONDS instead. Callbacks run on the
+4,099 threads at 1,024 ranks. Now one thread waits in one selector on every pipe, and a pipe's
+bytes are handed on in whole lines, in the order they came. A child that exits closes its
+pipes, so once both of a child's watched pipes have ended the loop opens a process file
+descriptor for it (pidfd_open, Linux 5.3 and later), which becomes readable when it has exited:
+the exit is seen as promptly as a waiter thread saw it, and a running child costs no descriptor
+beyond its pipes (three per rank with its store connection, not four). A child whose pipes
+outlive it (a process it started holds them) is still seen, by a sweep that polls every
+running child each SWEEP_SECONDS; where pidfds are missing, a child with ended pipes is polled
+every EXIT_POLL_SECONDS. Callbacks run on the
 loop's thread and must not block for long (the output sink's write is the one exception: a
 stalled terminal stalls the launcher's view of its ranks, as it stalled the reader threads).
 Anything may be watched from any thread; the loop starts with the first watch.
@@ -16,11 +20,21 @@ import selectors
 import socket
 import subprocess
 import threading
+import time
 from typing import Callable, List, Optional
 
 EXIT_POLL_SECONDS = 0.05
+SWEEP_SECONDS = 1.0
 _READ_BYTES = 1 << 16
 _LONGEST_LINE = 1 << 20  # a line longer than this is handed on in pieces
+
+
+class _Child:
+    def __init__(self, process: subprocess.Popen, on_exit: Callable[[int], None]) -> None:
+        self.process, self.on_exit = process, on_exit
+        self.open_pipes = 0   # its watched pipes that have not ended
+        self.armed = False    # waited for through a pidfd or fast polling
+        self.done = False
 
 
 class _Pipe:
@@ -29,11 +43,7 @@ class _Pipe:
         self.fd = owner.fileno()
         self.on_line, self.on_eof = on_line, on_eof
         self.partial = bytearray()
-
-
-class _Child:
-    def __init__(self, process: subprocess.Popen, on_exit: Callable[[int], None]) -> None:
-        self.process, self.on_exit = process, on_exit
+        self.child: Optional[_Child] = None  # whose stdout or stderr this is, if watched
 
 
 class IoLoop:
@@ -45,7 +55,11 @@ class IoLoop:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
         self._added: List[object] = []       # watches to register, under _lock
-        self._polled: List[_Child] = []      # children without a pidfd (loop thread only)
+        # loop thread only: children still running, and those polled fast (ended pipes, no pidfd)
+        self._children: List[_Child] = []
+        self._polled: List[_Child] = []
+        self._pipes_by_fd: dict = {}
+        self._next_sweep = 0.0
         self._open_pipes = 0                 # under _lock
         self._pipes_closed = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
@@ -104,7 +118,7 @@ class IoLoop:
 
     def _serve(self) -> None:
         while not self._stopping:
-            timeout = EXIT_POLL_SECONDS if self._polled else None
+            timeout = EXIT_POLL_SECONDS if self._polled else SWEEP_SECONDS if self._children else None
             for key, _ in self._selector.select(timeout=timeout):
                 watch = key.data
                 if watch is None:
@@ -112,11 +126,35 @@ class IoLoop:
                 elif isinstance(watch, _Pipe):
                     self._read(watch)
                 else:
-                    self._exited(watch, key.fileobj)
-            if self._polled:
-                for child in [c for c in self._polled if c.process.poll() is not None]:
-                    self._polled.remove(child)
-                    child.on_exit(child.process.returncode)
+                    self._selector.unregister(key.fileobj)
+                    os.close(key.fileobj)
+                    self._finish(watch)
+            now = time.monotonic()
+            for child in [c for c in self._polled if c.process.poll() is not None]:
+                self._finish(child)
+            if self._children and now >= self._next_sweep:  # pipes that outlive their child
+                self._next_sweep = now + SWEEP_SECONDS
+                for child in [c for c in self._children if not c.armed and c.process.poll() is not None]:
+                    self._finish(child)
+
+    def _arm(self, child: _Child) -> None:
+        """Both pipes ended: the child is exiting. Wait for it through a pidfd."""
+        child.armed = True
+        try:
+            pidfd = os.pidfd_open(child.process.pid)
+        except (AttributeError, OSError):  # no pidfds here, or the child is already reaped
+            self._polled.append(child)
+            return
+        self._selector.register(pidfd, selectors.EVENT_READ, child)
+
+    def _finish(self, child: _Child) -> None:
+        if child.done:
+            return
+        child.done = True
+        if child in self._polled:
+            self._polled.remove(child)
+        self._children.remove(child)
+        child.on_exit(child.process.wait())
 
     def _take_added(self) -> None:
         try:
@@ -129,13 +167,16 @@ class IoLoop:
         for watch in added:
             if isinstance(watch, _Pipe):
                 self._selector.register(watch.fd, selectors.EVENT_READ, watch)
+                self._pipes_by_fd[watch.fd] = watch
                 continue
-            try:
-                pidfd = os.pidfd_open(watch.process.pid)
-            except (AttributeError, OSError):  # no pidfds here, or the child is already reaped
-                self._polled.append(watch)
-                continue
-            self._selector.register(pidfd, selectors.EVENT_READ, watch)
+            self._children.append(watch)
+            for owner in (watch.process.stdout, watch.process.stderr):
+                pipe = self._pipes_by_fd.get(owner.fileno()) if owner is not None and not owner.closed else None
+                if pipe is not None and pipe.owner is owner:
+                    pipe.child = watch
+                    watch.open_pipes += 1
+            if watch.open_pipes == 0:
+                self._arm(watch)
 
     def _read(self, pipe: _Pipe) -> None:
         try:
@@ -148,10 +189,15 @@ class IoLoop:
             if pipe.partial:
                 pipe.on_line(bytes(pipe.partial))
             self._selector.unregister(pipe.fd)
+            self._pipes_by_fd.pop(pipe.fd, None)
             try:
                 pipe.owner.close()
             except OSError:
                 pass
+            if pipe.child is not None:
+                pipe.child.open_pipes -= 1
+                if pipe.child.open_pipes == 0 and not pipe.child.armed:
+                    self._arm(pipe.child)
             try:
                 pipe.on_eof()
             finally:
@@ -171,9 +217,3 @@ class IoLoop:
         if len(pipe.partial) > _LONGEST_LINE:
             pipe.on_line(bytes(pipe.partial))
             pipe.partial.clear()
-
-    def _exited(self, child: _Child, pidfd: int) -> None:
-        self._selector.unregister(pidfd)
-        os.close(pidfd)
-        child.on_exit(child.process.wait())
-

@@ -405,6 +405,20 @@ def _usage_error(message: str) -> int:
     return 2
 
 
+def _allow_descriptors(ranks: int) -> None:
+    """The launcher holds about three descriptors per local rank (its two pipes and its store
+    connection: Note [One thread watches the ranks] in io_loop.py), past the common soft limit
+    of 1,024 from about 300 ranks: raise the soft limit to the hard one, as far as it goes."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 4 * ranks + 256
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not everywhere: the launch then fails on EMFILE, naming it
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the hvdliterun console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
@@ -424,6 +438,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return check_build(sys.stdout)
 
     from .job import run_job  # after parsing, so --help stays instant
+    _allow_descriptors(config.np)
     try:
         result = run_job(config)
     except (HostSpecError, NetworkError) as exc:

@@ -8,14 +8,18 @@ secret. The task
   2. tries every address the driver listed for itself, and talks to the driver's rendezvous
      store through the first it reaches, reporting which ones it reached;
   3. listens on one port on every address and publishes its interfaces and that port;
-  4. once every task has published, probes every other task on every address it listed: a
-     TCP connection, then a challenge with the prober's own proof (an HMAC of the job's
-     secret), which the peer answers with an HMAC of the secret, the challenge and its own
-     index, so a reply from some other program on that address does not count, and a
-     stranger's challenge gets no answer at all;
+  4. once its ring neighbours have published (the hosts before and after it in the job's host
+     order: `neighbours`), probes them on every address they listed: a TCP connection, then a
+     challenge with the prober's own proof (an HMAC of the job's secret), which the peer
+     answers with an HMAC of the secret, the challenge and its own index, so a reply from some
+     other program on that address does not count, and a stranger's challenge gets no answer
+     at all;
   5. publishes what it reached, keeps answering probes until the driver says done, and exits.
-The driver keeps the interface names through which every host reached every other host. Keys
-live under `discovery/` in the job's store; the store's secret protects them. No torch.
+The driver keeps the interface names through which every host reached its neighbours, both
+ways round the ring. Probing every pair cost each host a probe and a store request per other
+host (O(H^2) in all); the ring costs each host two, whatever the job's size, and still tries
+every link of a ring that the ranks' own ring collectives use. Keys live under `discovery/` in
+the job's store; the store's secret protects them. No torch.
 
 The probe port answers on one thread, as the rendezvous server handshakes (Note [Bounded
 handshakes] in hvdlite/_job/server.py): every connection non-blocking in one selector, at most
@@ -153,6 +157,12 @@ def probe(addr: str, port: int, secret: str, index: int) -> bool:
         reply[8:], _proof(secret, challenge, index))
 
 
+def neighbours(index: int, count: int) -> List[int]:
+    """The hosts that host `index` of `count` probes (Note [Network discovery]): the ones before
+    and after it in the ring of hosts."""
+    return sorted({(index - 1) % count, (index + 1) % count} - {index})
+
+
 def reach_driver(addrs: List[str], port: int, secret: str):
     """(client through the first reachable driver address, every address reached)."""
     reached = []
@@ -189,9 +199,7 @@ def main() -> int:
     client.call(b"SET", [key(index, "info"), json.dumps(mine).encode()])
     started = time.monotonic()
     results = {}
-    for other in range(count):
-        if other == index:
-            continue
+    for other in neighbours(index, count):
         info = json.loads(client.call(b"GET", [key(other, "info"), str(timeout_ms).encode()], timeout_ms)[0])
         results[other] = [[name, addr, probe(addr, info["port"], secret, other)]
                           for name, addrs in info["interfaces"].items() for addr in addrs]

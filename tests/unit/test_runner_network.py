@@ -55,7 +55,7 @@ def test_plan_with_no_common_interface_names_hosts_and_interfaces():
     infos = {0: _info("a", {"eth0": ["10.0.0.11"]}, ["10.0.0.1"]),
              1: _info("b", {"ens5": ["10.0.0.12"]}, ["10.0.0.1"])}
     probes = {0: {"1": [["ens5", "10.0.0.12", True]]}, 1: {"0": [["eth0", "10.0.0.11", True]]}}
-    with pytest.raises(NetworkDiscoveryError, match=r"no network interface reaches every host from every host: "
+    with pytest.raises(NetworkDiscoveryError, match=r"no network interface reaches every host from its neighbours: "
                                              r"a reaches b through ens5 .*; b reaches a through eth0"):
         plan(["a", "b"], probes, infos, ["10.0.0.1"])
 
@@ -66,3 +66,24 @@ def test_plan_with_no_launcher_address_every_host_reaches():
     probes = {0: {"1": [["eth0", "10.0.0.12", True]]}, 1: {"0": [["eth0", "10.0.0.11", True]]}}
     with pytest.raises(NetworkDiscoveryError, match="no address of this launcher is reachable from every host"):
         plan(["a", "b"], probes, infos, ["10.0.0.1", "10.7.0.1"])
+
+
+def test_each_host_probes_its_two_ring_neighbours_whatever_the_job_size():
+    from hvdlite.runner.task_service import neighbours
+    assert neighbours(0, 2) == [1] and neighbours(1, 2) == [0]
+    for count in (3, 8, 1000):
+        probed = {i: neighbours(i, count) for i in range(count)}
+        assert all(len(p) == 2 and i not in p for i, p in probed.items())
+        # every link of the ring is probed both ways
+        assert all(i in probed[(i + 1) % count] and (i + 1) % count in probed[i] for i in range(count))
+
+
+def test_plan_reads_only_the_pairs_that_were_probed():
+    infos = {i: {"hostname": h, "interfaces": {"eth0": [f"10.0.0.{i}"]}, "driver_reached": ["10.0.0.9"]}
+             for i, h in enumerate("abcd")}
+    ring = {i: {str(j): [["eth0", f"10.0.0.{j}", True]] for j in ((i - 1) % 4, (i + 1) % 4)} for i in range(4)}
+    result = plan(list("abcd"), ring, infos, ["10.0.0.9"])
+    assert result.interfaces == ["eth0"] and len(result.report) == 8
+    ring[2]["3"][0][2] = False  # one link fails one way: named in the error
+    with pytest.raises(NetworkDiscoveryError, match="c reaches d through nothing"):
+        plan(list("abcd"), ring, infos, ["10.0.0.9"])
