@@ -13,7 +13,10 @@ Map of the package (one concept per file):
   discovery.py     network discovery: which interfaces every host reaches every host through
   task_service.py  the task network discovery starts on each host (reports, probes its ring
                    neighbours)
-  workers.py       starting local and ssh ranks, signals, stopping them all
+  workers.py       starting local and remote ranks, signals, stopping them all
+  agents.py        the launcher's side of a remote host's agent: one ssh per host
+  agent.py         the agent itself (python -m hvdlite.runner.agent) and its frames
+  lifetime.py      children that die with their parent
   output.py        rank-prefixed output and per-rank files
   io_loop.py       the one thread that reads every rank's pipes and sees every rank's exit
   errors.py        job results and the root-cause message

@@ -70,6 +70,18 @@ class SshOptions:
     identity_file: Optional[str] = None
     config_file: Optional[str] = None  # ssh -F
 
+    def client_argv(self, host: str) -> List[str]:
+        """`ssh` with these options and the ones every launcher connection uses, up to `host`."""
+        argv = ["ssh"]
+        if self.config_file is not None:
+            argv += ["-F", self.config_file]
+        argv += ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no"]
+        if self.port is not None:
+            argv += ["-p", str(self.port)]
+        if self.identity_file is not None:
+            argv += ["-i", self.identity_file]
+        return argv + [host]
+
 
 @dataclass
 class ElasticConfig:

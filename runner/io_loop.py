@@ -44,6 +44,7 @@ class _Pipe:
         self.on_line, self.on_eof = on_line, on_eof
         self.partial = bytearray()
         self.child: Optional[_Child] = None  # whose stdout or stderr this is, if watched
+        self.reader = None  # for watch_frames: cuts the bytes into frames instead of lines
 
 
 class IoLoop:
@@ -70,6 +71,16 @@ class IoLoop:
         """Hands each line of `pipe` (newline included; a last line may lack it) to `on_line`,
         then calls `on_eof` and closes it."""
         watch = _Pipe(pipe, on_line, on_eof)
+        os.set_blocking(watch.fd, False)
+        with self._lock:
+            self._open_pipes += 1
+        self._add(watch)
+
+    def watch_frames(self, pipe, reader, on_eof: Callable[[], None]) -> None:
+        """Feeds `pipe`'s bytes to `reader` (agent.FrameReader, which hands on whole frames),
+        then calls `on_eof` and closes it; a malformed stream ends it as end of file would."""
+        watch = _Pipe(pipe, None, on_eof)
+        watch.reader = reader
         os.set_blocking(watch.fd, False)
         with self._lock:
             self._open_pipes += 1
@@ -185,6 +196,12 @@ class IoLoop:
             return
         except OSError:
             data = b""
+        if data and pipe.reader is not None:
+            try:
+                pipe.reader.feed(data)
+                return
+            except ValueError:
+                data = b""  # a malformed stream: ended
         if not data:
             if pipe.partial:
                 pipe.on_line(bytes(pipe.partial))

@@ -117,6 +117,8 @@ def run_job(config: JobConfig, stdout: Optional[IO[str]] = None,
         finally:
             result.stopped = list(session.close(result.stopped_by_signal,
                                                 lambda: len(signals.received) > 1, log))
+    if remote_hosts:
+        log(f"ssh connections for ranks: {group.ssh_connections()}")  # Note [One agent per host]
     result.exits = [RankExit(w.slot.rank, w.slot.hostname, w.returncode, w.remote,
                              server.rank_host(w.slot.rank) or "")
                     for w in group.workers() if w.returncode is not None]

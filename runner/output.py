@@ -30,12 +30,18 @@ class OutputMux:
 
     def attach(self, rank: int, stdout_pipe: BinaryIO, stderr_pipe: BinaryIO) -> None:
         """Start streaming one rank's pipes; returns at once."""
-        for pipe, name, sink in ((stdout_pipe, "stdout", self._out),
-                                 (stderr_pipe, "stderr", self._err)):
-            prefix = f"[{rank}]<{name}>: "
-            file = self._rank_file(rank, name)
-            self.loop.watch_pipe(pipe, lambda raw, p=prefix, f=file, s=sink: self._line(raw, p, f, s),
-                                 (lambda f=file: f.close()) if file is not None else (lambda: None))
+        for pipe, name in ((stdout_pipe, "stdout"), (stderr_pipe, "stderr")):
+            self.loop.watch_pipe(pipe, *self.rank_sink(rank, name))
+
+    def rank_sink(self, rank: int, name: str):
+        """(on_line, on_end) for one rank's stream `name`: on_line(raw bytes of one line) writes
+        it prefixed (and to the rank's file), on_end closes the file. For lines that arrive
+        some other way than a pipe of this process (an agent's frames, workers.py)."""
+        prefix = f"[{rank}]<{name}>: "
+        sink = self._out if name == "stdout" else self._err
+        file = self._rank_file(rank, name)
+        return ((lambda raw: self._line(raw, prefix, file, sink)),
+                (lambda: file.close()) if file is not None else (lambda: None))
 
     def _rank_file(self, rank: int, name: str) -> Optional[BinaryIO]:
         if not self._dir:

@@ -75,6 +75,7 @@ class LaunchSession:
             sig = stop_signal or signal.SIGTERM
             log(f"stopping ranks {running} with {signal.Signals(sig).name}")
             self.group.stop(sig, interrupted)
+        self.group.close()
         self.mux.drain(timeout=5.0)
         self.mux.close()
         self.reporter.stop()

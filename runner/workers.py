@@ -1,4 +1,5 @@
-"""Rank processes: start them (locally or over ssh), watch their exits, stop them all.
+"""Rank processes: start them (locally, or on a remote host through its agent), watch their
+exits, stop them all.
 
 Runs on the launcher's main thread; the launcher's one I/O thread (io_loop.py, Note [One
 thread watches the ranks]) sees each exit and reports it through a queue, so the first failure
@@ -8,9 +9,14 @@ Every rank starts in a new session, hence its own process group: signals sent by
 to the launcher do not hit the ranks directly, and stopping a rank signals its whole group, so
 helper processes it started go too.
 
+Remote ranks are started, signalled and stopped by their host's agent, over the host's one ssh
+connection (Note [One agent per host] in agent.py), which stops them itself when the connection
+ends. The one-off commands the launcher runs over ssh (network discovery's tasks) go through
+the wrapper below.
+
 Note [Stopping remote ranks]
 Killing a local `ssh` does not signal the remote command (there is no terminal to hang up).
-So the remote side runs the rank under a small POSIX sh wrapper (REMOTE_WRAPPER): the rank runs
+So the remote side runs the command under a small POSIX sh wrapper (REMOTE_WRAPPER): it runs
 in the background in its own session (setsid, when the host has it) with stdin from /dev/null,
 while a watcher reads the ssh connection's stdin, which the launcher keeps open and never
 writes. When the launcher closes it, or ssh dies, or the connection drops, the watcher sees end
@@ -23,12 +29,12 @@ it; and a non-interactive shell gives background jobs /dev/null as stdin, hence 
 Note [Launcher death]
 The launcher can die without stopping anything (SIGKILL, the machine's OOM killer). Its
 children run in sessions of their own, so nothing would reach them. So every child (a local
-rank, the ssh client of a remote rank, a discovery task) asks the kernel for SIGKILL when the
-launcher goes (prctl PR_SET_PDEATHSIG, set between fork and exec). A killed ssh client closes
-its connection, and the remote wrapper then stops the remote rank (Note [Stopping remote
+rank, the ssh client of a host's agent, a discovery task) asks the kernel for SIGKILL when the
+launcher goes (prctl PR_SET_PDEATHSIG, set between fork and exec: lifetime.py). A killed ssh
+client closes its connection, and the host's agent then stops its ranks (Note [One agent per
+host] in agent.py), as the remote wrapper stops a discovery task (Note [Stopping remote
 ranks]).
 """
-import ctypes
 import os
 import queue
 import shlex
@@ -38,7 +44,9 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from .agents import HostAgent, RemoteRank  # noqa: F401  (RemoteRank: Worker.process)
 from .config import SshOptions
+from .lifetime import stop_with_parent  # noqa: F401  (Note [Launcher death]; discovery and elastic import it here)
 from .hosts import SlotInfo
 from .output import OutputMux
 
@@ -59,43 +67,23 @@ kill $watcher_pid 2>/dev/null
 exit $rc"""
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def stop_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGKILL when the launcher dies (Note
-    [Launcher death]). Linux only; elsewhere a no-op."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 def ssh_command(host: str, command: Sequence[str], env: Mapping[str, str], cwd: str,
                 options: SshOptions, grace_period: float) -> List[str]:
     """The local argv that runs `command` on `host` in `cwd` with `env` exported."""
-    argv = ["ssh"]
-    if options.config_file is not None:
-        argv += ["-F", options.config_file]
-    argv += ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no"]
-    if options.port is not None:
-        argv += ["-p", str(options.port)]
-    if options.identity_file is not None:
-        argv += ["-i", options.identity_file]
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     wrapper = REMOTE_WRAPPER.format(ticks=max(1, int(round(grace_period * 10))))
     remote = (f"cd {shlex.quote(cwd)} && exec env {exports} /bin/sh -c {shlex.quote(wrapper)} "
               f"hvdlite-rank {' '.join(shlex.quote(a) for a in command)}")
-    return argv + [host, remote]
+    return options.client_argv(host) + [remote]
 
 
 @dataclass
 class Worker:
     slot: SlotInfo
-    process: subprocess.Popen
+    process: "subprocess.Popen | RemoteRank"  # a remote rank's pid comes from its agent
     remote: bool
     returncode: Optional[int] = None
+    agent: "Optional[HostAgent]" = None  # the agent that runs it (Note [One agent per host])
 
 
 class WorkerGroup:
@@ -106,6 +94,7 @@ class WorkerGroup:
         self._grace = grace_period
         self._workers: Dict[int, Worker] = {}
         self._exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()
+        self._agents: Dict[str, HostAgent] = {}  # by host (Note [One agent per host] in agent.py)
 
     # -- starting
     def start_local(self, slot: SlotInfo, command: Sequence[str], env: Mapping[str, str],
@@ -118,13 +107,18 @@ class WorkerGroup:
 
     def start_remote(self, slot: SlotInfo, command: Sequence[str], env: Mapping[str, str],
                      cwd: str, options: SshOptions) -> None:
-        argv = ssh_command(slot.hostname, command, env, cwd, options, self._grace)
-        # stdin stays open and unused: closing it stops the remote rank (Note [Stopping
-        # remote ranks]).
-        process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True,
-                                   preexec_fn=stop_with_parent)
-        self._track(Worker(slot, process, remote=True))
+        """Starts the rank through its host's agent, opening the host's one ssh connection
+        first if it has none (Note [One agent per host] in agent.py)."""
+        agent = self._agents.get(slot.hostname)
+        if agent is None or not agent.alive:
+            agent = HostAgent(slot.hostname, cwd, options, self._grace, self._mux, self._exits, stop_with_parent)
+            self._agents[slot.hostname] = agent
+        remote = agent.start(slot.rank, command, env, cwd)
+        self._workers[slot.rank] = Worker(slot, remote, remote=True, agent=agent)
+
+    def ssh_connections(self) -> int:
+        """The ssh connections this group has opened (one per remote host it started ranks on)."""
+        return len(self._agents)
 
     def _track(self, worker: Worker) -> None:
         rank = worker.slot.rank
@@ -153,11 +147,9 @@ class WorkerGroup:
 
     # -- stopping
     def _signal(self, worker: Worker, sig: int) -> None:
-        if worker.remote and worker.process.stdin is not None:
-            try:
-                worker.process.stdin.close()
-            except OSError:
-                pass
+        if worker.agent is not None:
+            worker.agent.signal(worker.slot.rank, sig)
+            return
         try:
             os.killpg(worker.process.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -170,6 +162,19 @@ class WorkerGroup:
     def signal_all(self, sig: int) -> None:
         for rank in self.running():
             self._signal(self._workers[rank], sig)
+
+    def close(self) -> None:
+        """Ends every agent's connection (their hosts' leftovers stop) and reaps the ssh
+        clients; call once no rank should run any more."""
+        for agent in self._agents.values():
+            agent.close()
+        deadline = time.monotonic() + self._grace + 5.0
+        for agent in self._agents.values():
+            try:
+                agent.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                agent.process.kill()
+                agent.process.wait()
 
     def stop(self, sig: int = signal.SIGTERM, interrupted=lambda: False) -> None:
         """Send `sig` to every running rank, SIGKILL what is left after the grace period.

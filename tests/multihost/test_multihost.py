@@ -92,14 +92,16 @@ def test_collectives_and_training_across_two_hosts_launched_from_one_of_them(hos
 
 def test_three_hosts_from_outside_with_a_hostfile(hosts, tmp_path):
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("".join(f"{hosts.address(n)} slots=1\n" for n in ("hvta", "hvtb", "hvtc")))
+    hostfile.write_text("".join(f"{hosts.address(n)} slots=2\n" for n in ("hvta", "hvtb", "hvtc")))
     result = subprocess.run(launcher(hosts, "--verbose", "--hostfile", str(hostfile)) + JOB, cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert sorted(lines(out, "CHECKED")) == [
-        f"[{r}]<stdout>: CHECKED rank {r} of 3 on {n} ifname=eth0 mark=None homogeneous=True"
-        for r, n in enumerate(("hvta", "hvtb", "hvtc"))]
+        f"[{r}]<stdout>: CHECKED rank {r} of 6 on {n} ifname=eth0 mark=None homogeneous=True"
+        for r, n in enumerate(("hvta", "hvta", "hvtb", "hvtb", "hvtc", "hvtc"))]
+    # six remote ranks, one ssh connection per host (Note [One agent per host] in runner/agent.py)
+    assert "hvdliterun: ssh connections for ranks: 3" in out, out[-4000:]
     # discovery tried the decoys and kept the interface every host reaches every host through
     report = lines(out, "hvdliterun: discovery:")
     a, b = hosts.address("hvta"), hosts.address("hvtb")
