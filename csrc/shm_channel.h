@@ -118,7 +118,6 @@ class ShmChannel {
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
-  ShmSegment& segment() { return segment_; }
   // Note [Yield only while a caller waits] (shm_segment.h).
   void YieldWhile(const std::atomic<int>* count) { segment_.YieldWhile(count); }
   uint64_t waits_yielded() const { return segment_.waits_yielded(); }

@@ -5,9 +5,8 @@ Starting each remote rank through its own ssh made a job of 1,024 ranks on 32 ho
 ssh connections (and as many sshd sessions and shell wrappers on the hosts). Now the launcher
 opens one ssh per host, which runs this agent; everything else travels as frames over that
 connection: the launcher sends START (a rank's argv, environment and folder) and SIGNAL (a
-signal for some of the host's ranks), and the agent answers STARTED (the rank's pid),
-FAILED (it could not start it), OUTPUT (one whole line of a rank's stdout or stderr, as it
-came) and EXIT (its exit status). The agent watches its ranks with the launcher's own I/O loop
+signal for one of the host's ranks), and the agent answers FAILED (it could not start it),
+OUTPUT (one whole line of a rank's stdout or stderr, as it came) and EXIT (its exit status). The agent watches its ranks with the launcher's own I/O loop
 (io_loop.py), so a rank's lines are sent before its exit. Each rank runs in a session of its
 own, and dies with the agent (PR_SET_PDEATHSIG, Note [Launcher death] in workers.py).
 When the connection ends (the launcher closed it, ssh died with the launcher, the link broke),
@@ -17,8 +16,8 @@ wrapper of Note [Stopping remote ranks] did for one rank. The launcher reports e
 host whose agent's connection ended as lost with ssh's status (errors.SSH_LOST).
 
 A frame is a 4-byte big-endian length, then a kind byte, a 4-byte rank, and the kind's body:
-START and SIGNAL carry JSON, STARTED a 4-byte pid, OUTPUT a stream byte (1 stdout, 2 stderr)
-and the line, EXIT a 4-byte signed status, FAILED the reason as text. No torch.
+START and SIGNAL carry JSON, OUTPUT a stream byte (1 stdout, 2 stderr) and the line, EXIT a
+4-byte signed status, FAILED the reason as text. No torch.
 """
 import json
 import os
@@ -30,7 +29,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional
 
-START, SIGNAL, STARTED, FAILED, OUTPUT, EXIT = b"S", b"G", b"P", b"F", b"O", b"X"
+START, SIGNAL, FAILED, OUTPUT, EXIT = b"S", b"G", b"F", b"O", b"X"
 STDOUT, STDERR = 1, 2
 MAX_FRAME = 1 << 26
 _HEAD = struct.Struct(">IcI")  # length (of what follows it), kind, rank
@@ -77,7 +76,6 @@ class _Agent:
         from .io_loop import IoLoop
         self.grace = grace
         self.loop = IoLoop()
-        self.ranks: Dict[int, subprocess.Popen] = {}
         self.running: Dict[int, subprocess.Popen] = {}
         self.lock = threading.Lock()
         self.out = sys.stdout.buffer
@@ -107,12 +105,10 @@ class _Agent:
             self.send(encode(FAILED, rank, f"{spec['argv'][0]}: {exc.strerror or exc}".encode()))
             return
         with self.lock:
-            self.ranks[rank] = self.running[rank] = process
-        self.send(encode(STARTED, rank, _INT.pack(process.pid)))
+            self.running[rank] = process
         for pipe, stream in ((process.stdout, STDOUT), (process.stderr, STDERR)):
-            prefix = encode(OUTPUT, rank, bytes([stream]))[4:]  # kind, rank, stream
-            self.loop.watch_pipe(pipe, lambda line, p=prefix: self.send(struct.pack(">I", len(p) + len(line)) + p + line),
-                                 lambda: None)
+            tag = bytes([stream])
+            self.loop.watch_pipe(pipe, lambda line, t=tag: self.send(encode(OUTPUT, rank, t + line)), lambda: None)
         self.loop.watch_exit(process, lambda code, r=rank: self.exited(r, code))
 
     def exited(self, rank: int, code: int) -> None:
@@ -131,26 +127,16 @@ class _Agent:
 
     def stop_all(self) -> None:
         """The connection ended: SIGTERM, the grace period, SIGKILL."""
-        with self.lock:
-            ranks = list(self.running)
-        for rank in ranks:
-            self.signal(rank, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline:
+        for sig, wait in ((signal.SIGTERM, self.grace), (signal.SIGKILL, 5.0)):
             with self.lock:
-                if not self.running:
-                    break
-            time.sleep(0.05)
-        with self.lock:
-            ranks = list(self.running)
-        for rank in ranks:
-            self.signal(rank, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            with self.lock:
-                if not self.running:
-                    break
-            time.sleep(0.05)
+                ranks = list(self.running)
+            for rank in ranks:
+                self.signal(rank, sig)
+            deadline = time.monotonic() + wait
+            while ranks and time.monotonic() < deadline:
+                with self.lock:
+                    ranks = list(self.running)
+                time.sleep(0.05)
         self.loop.stop()
 
 

@@ -15,20 +15,12 @@ import sys
 import threading
 from typing import Callable, Dict, Mapping, Sequence, Set, Tuple
 
-from .agent import (EXIT, FAILED, OUTPUT, SIGNAL, START, STARTED, STDERR, STDOUT, FrameReader,
-                    decode, encode, unpack_int)
+from .agent import (EXIT, FAILED, OUTPUT, SIGNAL, START, STDERR, STDOUT, FrameReader, decode, encode,
+                    unpack_int)
 from .config import SshOptions
 from .environment import exportable
 from .errors import SSH_LOST
 from .output import OutputMux
-
-
-class RemoteRank:
-    """What the worker group keeps of a rank an agent runs: its pid once the agent says."""
-
-    def __init__(self) -> None:
-        self.pid = None
-        self.stdin = None
 
 
 def agent_command(host: str, env: Mapping[str, str], cwd: str, options: SshOptions) -> list:
@@ -48,7 +40,6 @@ class HostAgent:
         self._write_lock = threading.Lock()  # the connection's stdin (writes may block)
         self._running: Set[int] = set()   # started here and not yet exited
         self._sinks: Dict[Tuple[int, int], Tuple[Callable, Callable]] = {}
-        self._ranks: Dict[int, RemoteRank] = {}
         self._ended = False
         # The launcher's environment goes along, as it does to the discovery task (PATH,
         # PYTHONPATH...); the ranks' own variables travel in START frames.
@@ -65,21 +56,18 @@ class HostAgent:
         with self._lock:
             return not self._ended
 
-    def start(self, rank: int, command: Sequence[str], env: Mapping[str, str], cwd: str) -> RemoteRank:
-        remote = RemoteRank()
+    def start(self, rank: int, command: Sequence[str], env: Mapping[str, str], cwd: str) -> None:
         with self._lock:
             ended = self._ended
             if not ended:
-                self._ranks[rank] = remote
                 self._running.add(rank)
                 for stream, name in ((STDOUT, "stdout"), (STDERR, "stderr")):
                     self._sinks[(rank, stream)] = self._mux.rank_sink(rank, name)
         if ended:  # the connection ended since the group looked: lost with it
             self._exits.put((rank, SSH_LOST))
-            return remote
+            return
         spec = {"argv": list(command), "env": dict(env), "cwd": cwd}
         self._send(encode(START, rank, json.dumps(spec).encode()))
-        return remote
 
     def signal(self, rank: int, sig: int) -> None:
         self._send(encode(SIGNAL, rank, json.dumps({"signal": int(sig)}).encode()))
@@ -108,10 +96,6 @@ class HostAgent:
             sink = self._sinks.get((rank, body[0]))
             if sink is not None:
                 sink[0](body[1:])
-        elif kind == STARTED:
-            remote = self._ranks.get(rank)
-            if remote is not None:
-                remote.pid = unpack_int(body)
         elif kind == EXIT:
             self._exited(rank, unpack_int(body))
         elif kind == FAILED:

@@ -17,11 +17,12 @@ Anything may be watched from any thread; the loop starts with the first watch.
 """
 import os
 import selectors
-import socket
 import subprocess
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Set
+
+from hvdlite._job.wakeup import Wakeup
 
 EXIT_POLL_SECONDS = 0.05
 SWEEP_SECONDS = 1.0
@@ -38,27 +39,26 @@ class _Child:
 
 
 class _Pipe:
-    def __init__(self, owner, on_line: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
+    def __init__(self, owner, on_line: Optional[Callable[[bytes], None]], on_eof: Callable[[], None],
+                 reader=None) -> None:
         self.owner = owner  # the pipe object, which keeps (and closes) the descriptor
         self.fd = owner.fileno()
         self.on_line, self.on_eof = on_line, on_eof
+        self.reader = reader  # for watch_frames: cuts the bytes into frames instead of lines
         self.partial = bytearray()
         self.child: Optional[_Child] = None  # whose stdout or stderr this is, if watched
-        self.reader = None  # for watch_frames: cuts the bytes into frames instead of lines
 
 
 class IoLoop:
     def __init__(self) -> None:
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._wakeup = Wakeup()
+        self._selector.register(self._wakeup, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
         self._added: List[object] = []       # watches to register, under _lock
         # loop thread only: children still running, and those polled fast (ended pipes, no pidfd)
-        self._children: List[_Child] = []
-        self._polled: List[_Child] = []
+        self._children: Set[_Child] = set()
+        self._polled: Set[_Child] = set()
         self._pipes_by_fd: dict = {}
         self._next_sweep = 0.0
         self._open_pipes = 0                 # under _lock
@@ -70,17 +70,14 @@ class IoLoop:
     def watch_pipe(self, pipe, on_line: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
         """Hands each line of `pipe` (newline included; a last line may lack it) to `on_line`,
         then calls `on_eof` and closes it."""
-        watch = _Pipe(pipe, on_line, on_eof)
-        os.set_blocking(watch.fd, False)
-        with self._lock:
-            self._open_pipes += 1
-        self._add(watch)
+        self._watch_pipe(_Pipe(pipe, on_line, on_eof))
 
     def watch_frames(self, pipe, reader, on_eof: Callable[[], None]) -> None:
         """Feeds `pipe`'s bytes to `reader` (agent.FrameReader, which hands on whole frames),
         then calls `on_eof` and closes it; a malformed stream ends it as end of file would."""
-        watch = _Pipe(pipe, None, on_eof)
-        watch.reader = reader
+        self._watch_pipe(_Pipe(pipe, None, on_eof, reader))
+
+    def _watch_pipe(self, watch: "_Pipe") -> None:
         os.set_blocking(watch.fd, False)
         with self._lock:
             self._open_pipes += 1
@@ -97,7 +94,7 @@ class IoLoop:
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake()
+        self._wakeup.wake()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
@@ -107,13 +104,7 @@ class IoLoop:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hvdlite-io", daemon=True)
                 self._thread.start()
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"w")
-        except (BlockingIOError, OSError):
-            pass
+        self._wakeup.wake()
 
     # -- the loop's thread
     def _run(self) -> None:
@@ -124,8 +115,7 @@ class IoLoop:
                 if isinstance(key.data, _Child):
                     os.close(key.fd)  # a pidfd: the pipes belong to their Popen objects
             self._selector.close()
-            self._wake_r.close()
-            self._wake_w.close()
+            self._wakeup.close()
 
     def _serve(self) -> None:
         while not self._stopping:
@@ -154,7 +144,7 @@ class IoLoop:
         try:
             pidfd = os.pidfd_open(child.process.pid)
         except (AttributeError, OSError):  # no pidfds here, or the child is already reaped
-            self._polled.append(child)
+            self._polled.add(child)
             return
         self._selector.register(pidfd, selectors.EVENT_READ, child)
 
@@ -162,17 +152,12 @@ class IoLoop:
         if child.done:
             return
         child.done = True
-        if child in self._polled:
-            self._polled.remove(child)
-        self._children.remove(child)
+        self._polled.discard(child)
+        self._children.discard(child)
         child.on_exit(child.process.wait())
 
     def _take_added(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
+        self._wakeup.drain()
         with self._lock:
             added, self._added = self._added, []
         for watch in added:
@@ -180,7 +165,7 @@ class IoLoop:
                 self._selector.register(watch.fd, selectors.EVENT_READ, watch)
                 self._pipes_by_fd[watch.fd] = watch
                 continue
-            self._children.append(watch)
+            self._children.add(watch)
             for owner in (watch.process.stdout, watch.process.stderr):
                 pipe = self._pipes_by_fd.get(owner.fileno()) if owner is not None and not owner.closed else None
                 if pipe is not None and pipe.owner is owner:

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .agents import HostAgent, RemoteRank  # noqa: F401  (RemoteRank: Worker.process)
+from .agents import HostAgent
 from .config import SshOptions
 from .lifetime import stop_with_parent  # noqa: F401  (Note [Launcher death]; discovery and elastic import it here)
 from .hosts import SlotInfo
@@ -80,7 +80,7 @@ def ssh_command(host: str, command: Sequence[str], env: Mapping[str, str], cwd: 
 @dataclass
 class Worker:
     slot: SlotInfo
-    process: "subprocess.Popen | RemoteRank"  # a remote rank's pid comes from its agent
+    process: Optional[subprocess.Popen]  # None for a rank its host's agent runs
     remote: bool
     returncode: Optional[int] = None
     agent: "Optional[HostAgent]" = None  # the agent that runs it (Note [One agent per host])
@@ -113,8 +113,8 @@ class WorkerGroup:
         if agent is None or not agent.alive:
             agent = HostAgent(slot.hostname, cwd, options, self._grace, self._mux, self._exits, stop_with_parent)
             self._agents[slot.hostname] = agent
-        remote = agent.start(slot.rank, command, env, cwd)
-        self._workers[slot.rank] = Worker(slot, remote, remote=True, agent=agent)
+        agent.start(slot.rank, command, env, cwd)
+        self._workers[slot.rank] = Worker(slot, None, remote=True, agent=agent)
 
     def ssh_connections(self) -> int:
         """The ssh connections this group has opened (one per remote host it started ranks on)."""

@@ -48,6 +48,7 @@ from typing import Dict, List, Optional, Set
 
 from . import keys
 from .table import Blocked, KeyTable, timed_out
+from .wakeup import Wakeup
 from .wire import (  # noqa: F401  (re-exported for the launcher and tests)
     HANDSHAKE_DEADLINE, HANDSHAKE_TIMEOUT, MAGIC, _LEN, _MAX_FRAME, _MAX_HANDSHAKE_FRAME,
     RendezvousClient, RendezvousError, RendezvousTimeout, _mac, encode_frame, new_secret,
@@ -81,8 +82,7 @@ class _Conn:
         self.parked_on: Optional[bytes] = None     # the key it waits for
         self.missing: List[bytes] = []             # the keys it lacked when it parked
         self.cursor = 0                            # missing[:cursor] have been set since
-        self.deadline: Optional[float] = None
-        self.ticket = 0            # which park its heap entry belongs to
+        self.ticket = 0            # which park its deadline's heap entry belongs to
 
 
 def _by_rank(values) -> Dict[int, dict]:
@@ -122,7 +122,7 @@ class RendezvousServer:
         self._listener: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._wakeup = Wakeup()  # the launcher's set() wakes the loop
         self._state_lock = threading.Lock()
         self._arrived: Dict[int, float] = {}
         self._refused = 0
@@ -145,17 +145,15 @@ class RendezvousServer:
         listener.setblocking(False)
         self._listener = listener
         self.port = listener.getsockname()[1]
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
         self._selector.register(listener, selectors.EVENT_READ, _LISTENER)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._selector.register(self._wakeup, selectors.EVENT_READ, _WAKE)
         self._thread = threading.Thread(target=self._loop, name="hvdlite-rdzv", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stopping.set()
-        self._wake()
+        self._wakeup.wake()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
@@ -190,7 +188,7 @@ class RendezvousServer:
         self._table.put(key.encode(), value)
         with self._state_lock:
             self._written.append(key.encode())
-        self._wake()
+        self._wakeup.wake()
 
     def get(self, key: str) -> Optional[bytes]:
         """The value under `key`, or None when nobody has set it (never waits)."""
@@ -220,8 +218,6 @@ class RendezvousServer:
         with self._state_lock:
             return self._refused
 
-    # -- threads
-
     def requests_by_rank(self) -> Dict[int, int]:
         """Requests answered so far, by the rank that sent them (-1: not a rank); for tests
         and the scale bench."""
@@ -229,12 +225,6 @@ class RendezvousServer:
             return dict(self._requests)
 
     # -- the loop (Note [One loop serves the store])
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"w")
-        except (BlockingIOError, OSError):
-            pass  # a wake-up is already pending, or the server has stopped
-
     def _loop(self) -> None:
         pending: "collections.OrderedDict[socket.socket, _Handshake]" = collections.OrderedDict()
         try:
@@ -275,9 +265,9 @@ class RendezvousServer:
                     except OSError:
                         pass
                 self._close(conn)
-            for sock in (self._listener, self._wake_r, self._wake_w):
-                if sock is not None:
-                    sock.close()
+            if self._listener is not None:
+                self._listener.close()
+            self._wakeup.close()
             self._selector.close()
 
     def _accept_all(self, pending) -> None:
@@ -437,11 +427,11 @@ class RendezvousServer:
             self._written_key(key)
 
     def _park(self, conn: _Conn, request: List[bytes], blocked: Blocked, first: bool) -> None:
-        if first:
-            conn.deadline = time.monotonic() + blocked.timeout_ms / 1000.0 if blocked.timeout_ms > 0 else None
+        if first:  # a request parked again keeps its first deadline
             conn.ticket = next(self._tickets)
-            if conn.deadline is not None:
-                heapq.heappush(self._deadlines, (conn.deadline, conn.ticket, conn))
+            if blocked.timeout_ms > 0:
+                deadline = time.monotonic() + blocked.timeout_ms / 1000.0
+                heapq.heappush(self._deadlines, (deadline, conn.ticket, conn))
         conn.parked, conn.missing, conn.cursor = request, blocked.missing, 0
         self._wait_for_next(conn)
         self._watch(conn, 0)
@@ -475,11 +465,7 @@ class RendezvousServer:
             self._answer(conn, request, first=False)  # parks again if a key went meanwhile
 
     def _woken(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
+        self._wakeup.drain()
         with self._state_lock:
             written, self._written = self._written, []
         for key in written:

@@ -76,12 +76,12 @@ class KeyTable:
             if key not in data:
                 return Blocked([key], int(timeout_ms)), ()
             return [b"OK", data[key]], ()
-        if op == b"MULTI_GET":
+        if op in (b"WAIT", b"MULTI_GET"):  # the same wait; MULTI_GET answers the values too
             timeout_ms, keys = int(args[0]), args[1:]
             absent = [k for k in keys if k not in data]
             if absent:
                 return Blocked(absent, timeout_ms), ()
-            return [b"OK"] + [data[k] for k in keys], ()
+            return [b"OK"] + ([data[k] for k in keys] if op == b"MULTI_GET" else []), ()
         if op == b"MULTI_SET":
             if len(args) % 2:
                 raise ValueError("odd field count")
@@ -106,12 +106,6 @@ class KeyTable:
             key, value = args
             data[key] = data.get(key, b"") + value
             return [b"OK"], (key,)
-        if op == b"WAIT":
-            timeout_ms, keys = int(args[0]), args[1:]
-            absent = [k for k in keys if k not in data]
-            if absent:
-                return Blocked(absent, timeout_ms), ()
-            return [b"OK"], ()
         if op == b"CHECK":
             return [b"OK", b"1" if all(k in data for k in args) else b"0"], ()
         if op == b"DEL":
