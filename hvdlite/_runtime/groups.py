@@ -110,8 +110,7 @@ def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0)
     if index == 0:
         name = f"/hvdlite.{os.getpid()}.{secrets.token_hex(6)}"
         store.set(key, "" if _core.ShmChannel.create(name, count, chunk_bytes) else name)
-    store.wait([key])
-    name = store.get(key).decode()
+    name = store.get(key).decode()  # get and multi_get wait for the key, on every store
     channel = None
     # The channel watches its peers by pid (Note [Shared-memory allreduce]): processes that share
     # /dev/shm and a host name but not a pid namespace (two containers of one pod, say) must
@@ -122,9 +121,7 @@ def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0)
         except RuntimeError:
             channel = None
     store.set(f"{key}/{index}", "1" if channel is not None else "0")
-    answers = [f"{key}/{i}" for i in range(count)]
-    store.wait(answers)
-    agreed = all(v == b"1" for v in store.multi_get(answers))
+    agreed = all(v == b"1" for v in store.multi_get([f"{key}/{i}" for i in range(count)]))
     if index == 0 and name:
         _core.ShmChannel.unlink(name)
     return channel if agreed else None
@@ -137,7 +134,6 @@ def _single_copy(store, key, index, count, pids, channel):
     address, value = channel.probe_word()
     store.set(f"{key}/cma/{index}", f"{address}:{value}")
     words = [f"{key}/cma/{i}" for i in range(count)]
-    store.wait(words)
     # HVDLITE_TEST_REFUSE_SINGLE_COPY: a test hook (per rank), as if the kernel refused this one
     mine = os.environ.get("HVDLITE_TEST_REFUSE_SINGLE_COPY") != "1"
     for i, word in enumerate(store.multi_get(words)):
@@ -151,9 +147,7 @@ def _single_copy(store, key, index, count, pids, channel):
 def _agree(store, key, rank, size, mine):
     """True when every rank of the engine says True (each publishes its own answer)."""
     store.set(f"{key}/{rank}", "1" if mine else "0")
-    answers = [f"{key}/{r}" for r in range(size)]
-    store.wait(answers)
-    return all(v == b"1" for v in store.multi_get(answers))
+    return all(v == b"1" for v in store.multi_get([f"{key}/{r}" for r in range(size)]))
 
 
 def _local_paths(store, base, rank, size, options, members, loopback):

@@ -48,11 +48,10 @@ def publish(store, prefix, rank, extra=None):
 
 
 def read(store, prefix, size):
-    """Every rank's record, once all are published: two requests whatever the job's size
-    (Note [Store operations] in _job/table.py; torch's own stores' multi_get may not wait)."""
-    names = [prefix + keys.proc(r) for r in range(size)]
-    store.wait(names)
-    return [json.loads(v) for v in store.multi_get(names)]
+    """Every rank's record, once all are published: one request whatever the job's size
+    (Note [Store operations] in _job/table.py). multi_get waits for missing keys, as get does,
+    on every store: SecretStore's MULTI_GET, TCPStore's, and Store's default of a get per key."""
+    return [json.loads(v) for v in store.multi_get([prefix + keys.proc(r) for r in range(size)])]
 
 
 def running(pid):
