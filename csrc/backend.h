@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -41,7 +42,16 @@ class CollectiveBackend {
   virtual void Alltoall(at::Tensor& output, at::Tensor& input,
                         const std::vector<int64_t>& output_splits,
                         const std::vector<int64_t>& input_splits) = 0;
+  // Point-to-point, bytes only: `bytes` (contiguous uint8) goes to `peer` under `tag`, or a
+  // message from `peer` under `tag` lands in it (one shorter than `bytes` fills its front).
+  // Messages of one (peer, tag) arrive in the order sent. Used by the control plane's
+  // hypercube (hypercube.h); a backend without them throws.
+  virtual PendingWork StartSend(at::Tensor& bytes, int peer, int tag) { return NoPointToPoint(); }
+  virtual PendingWork StartRecv(at::Tensor& bytes, int peer, int tag) { return NoPointToPoint(); }
   virtual std::string name() const = 0;
+
+ private:
+  PendingWork NoPointToPoint() const { throw std::logic_error(name() + " backend: no point-to-point"); }
 };
 
 }  // namespace hvdlite

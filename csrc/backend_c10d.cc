@@ -2,6 +2,8 @@
 
 #include <ATen/ops/empty.h>
 
+#include <stdexcept>
+
 namespace hvdlite {
 namespace {
 
@@ -89,12 +91,34 @@ class C10dBackend final : public CollectiveBackend {
     Finish(backend_->alltoall_base(out, in, output_counts, input_counts, options));
   }
 
+  PendingWork StartSend(at::Tensor& bytes, int peer, int tag) override {
+    std::vector<at::Tensor> tensors{Unowned(bytes)};
+    return Pending(backend_->send(tensors, peer, tag), "send to", peer);
+  }
+
+  PendingWork StartRecv(at::Tensor& bytes, int peer, int tag) override {
+    std::vector<at::Tensor> tensors{Unowned(bytes)};
+    return Pending(backend_->recv(tensors, peer, tag), "receive from", peer);
+  }
+
   std::string name() const override { return backend_->getBackendName(); }
 
  private:
   static void Finish(const c10::intrusive_ptr<c10d::Work>& work) {
     // wait() rethrows the collective's failure (for example "Connection closed by peer").
     work->wait();
+  }
+
+  // A point-to-point work: waits at most the collectives' timeout (unset: the group's own).
+  PendingWork Pending(c10::intrusive_ptr<c10d::Work> work, const char* what, int peer) const {
+    const std::chrono::milliseconds timeout = timeout_ == c10d::kUnsetTimeout ? kNoTimeout : timeout_;
+    return PendingWork(
+        [work, timeout, what, peer] {
+          if (!work->wait(timeout)) {
+            throw std::runtime_error(std::string("the ") + what + " rank " + std::to_string(peer) + " was aborted");
+          }
+        },
+        [work] { return work->isCompleted(); });
   }
 
   c10::intrusive_ptr<c10d::Backend> backend_;

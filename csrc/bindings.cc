@@ -62,7 +62,15 @@ std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
   // Note [Transport plan] (hvdlite/_runtime/groups.py): the route was chosen there.
   CpuRouteKind kind;
   if (!ParseCpuRouteKind(route, &kind)) Check(Status(StatusCode::kInternal, "unknown CPU route '" + route + "'"));
-  return std::make_shared<Engine>(config, rank, size, MakeC10dBackend(std::move(control), millis(control_timeout_s)),
+  std::unique_ptr<CollectiveBackend> control_backend = MakeC10dBackend(std::move(control), millis(control_timeout_s));
+  if (shm == nullptr || kind == CpuRouteKind::kHierarchical) {
+    // Note [Connections on first use] (hvdlite/_runtime/groups.py): the control plane's
+    // partners are connected before the engine starts. The GIL is released: a lazy connection
+    // may read the store, which can be a Python object.
+    py::gil_scoped_release release;
+    ControlChannel(control_backend.get(), nullptr, rank, size, config.control_alltoall_max).Exchange(std::string());
+  }
+  return std::make_shared<Engine>(config, rank, size, std::move(control_backend),
                                   std::move(cpu_backends), std::move(cuda_backend), std::move(shm),
                                   std::move(cross_backend), kind);
 }

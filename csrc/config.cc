@@ -106,6 +106,8 @@ const std::vector<Setting>& Settings() {
       Double("HVDLITE_GATHER_MAX_MS", "gather_max_ms", true, 0.0, "milliseconds >= 0", &Config::gather_max_ms),
       Int("HVDLITE_CPU_CHANNELS", "cpu_channels", true, 1, 16, "a number of process groups from 1 to 16",
           &Config::cpu_channels),
+      Int("HVDLITE_CONTROL_ALLTOALL_MAX", "control_alltoall_max", true, 0, kNoMax, "a number of ranks >= 0",
+          &Config::control_alltoall_max),
       Flag("HVDLITE_AUTOTUNE", "autotune", true, &Config::autotune),
       Double("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", "autotune_sample_seconds", true, 0.001, "seconds >= 0.001",
              &Config::autotune_sample_seconds),

@@ -58,6 +58,10 @@ struct Config {
   // into chunks spread over them (Note [CPU channels] in cpu_route.h). Rank 0's value applies
   // to the job.
   int64_t cpu_channels = 4;
+  // HVDLITE_CONTROL_ALLTOALL_MAX: engines of up to this many ranks exchange negotiation
+  // messages across hosts by one alltoall, larger ones by recursive doubling (Note [Control
+  // exchange by alltoall] in control_channel.h). Rank 0's value applies to the job.
+  int64_t control_alltoall_max = 16;
   // HVDLITE_SHARED_MEMORY: 1 (default) lets an engine whose ranks all run on one host allreduce
   // CPU tensors through shared memory (Note [Shared-memory allreduce] in shm_channel.h); 0
   // keeps everything on Gloo. Rank 0's value applies to the job.

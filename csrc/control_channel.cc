@@ -27,9 +27,12 @@ int64_t SlotSizer::Next(const std::vector<int64_t>& lengths) {
   return slot_;
 }
 
-ControlChannel::ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int size)
-    : backend_(backend), shm_(shm), size_(size), sizer_(size) {
-  if (shm_ == nullptr) Resize();
+ControlChannel::ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int rank, int size,
+                               int64_t alltoall_max)
+    : backend_(backend), shm_(shm), size_(size), by_alltoall_(size <= alltoall_max), sizer_(size),
+      cube_(backend, rank, size) {
+  slot_now_ = sizer_.slot();
+  if (shm_ == nullptr && by_alltoall_) Resize();
 }
 
 void ControlChannel::Resize() {
@@ -48,6 +51,7 @@ std::vector<std::string> ControlChannel::Exchange(const std::string& mine) {
     if (shm_->Exchange(mine, &messages, &lengths)) return messages;
     return ExchangeLarge(mine, lengths);
   }
+  if (!by_alltoall_) return ExchangeByHypercube(mine);
   // Note [Control exchange by alltoall]: the same slot goes to every rank. Only the used part
   // of each copy is written; the rest of the slot is never read.
   auto* send = static_cast<char*>(send_.data_ptr());
@@ -79,6 +83,21 @@ std::vector<std::string> ControlChannel::Exchange(const std::string& mine) {
   // Note [Slots sized by the last rounds]: every rank read the same lengths, so every rank
   // resizes alike, between rounds.
   if (sizer_.Next(lengths) != slot_bytes_) Resize();
+  return messages;
+}
+
+std::vector<std::string> ControlChannel::ExchangeByHypercube(const std::string& mine) {
+  std::vector<std::string> messages = cube_.Allgather(mine, sizer_.slot());
+  rounds_.fetch_add(1, std::memory_order_relaxed);
+  std::vector<int64_t> lengths(messages.size());
+  bool fitted = true;
+  for (size_t r = 0; r < messages.size(); ++r) {
+    lengths[r] = static_cast<int64_t>(messages[r].size());
+    fitted = fitted && lengths[r] <= sizer_.slot() - kHeaderBytes;
+  }
+  if (!fitted) second_exchanges_.fetch_add(1, std::memory_order_relaxed);
+  // Note [Slots sized by the last rounds]: every rank read the same lengths.
+  slot_now_ = sizer_.Next(lengths);
   return messages;
 }
 

@@ -6,9 +6,16 @@
 // and reuses its tensors across rounds. Its counters for tests are atomics, read from any
 // thread.
 //
-// Each rank sends a slot holding its length and, when it fits, its bytes: one collective per
-// round in the common case. When any message is larger than a slot, a second exchange at the
-// largest size carries everything.
+// Up to HVDLITE_CONTROL_ALLTOALL_MAX ranks (16 by default), each rank sends a slot holding its length and, when it fits, its
+// bytes: one collective per round in the common case. When any message is larger than a slot,
+// a second exchange at the largest size carries everything. Past it the messages
+// travel by recursive doubling instead (Note [Control exchange by hypercube] in hypercube.h):
+// log2(N) steps and partners, where an alltoall costs every rank N - 1 messages and a
+// connection to every peer. Measured side by side on namespace hosts (docs/performance.md,
+// "Scale: the control plane across hosts"), the alltoall's one collective is quicker up to 16
+// hosts and the hypercube from 32: each of its steps is a Gloo operation of its own, and a
+// chain of thread hand-offs per operation costs more than the alltoall's extra messages until
+// those number about 30. The same count decides on every rank (the job's size).
 //
 // Note [Control exchange by alltoall]
 // The slot exchange is an alltoall in which every rank sends its own slot to every rank, not
@@ -29,7 +36,8 @@
 // after kCalmRounds rounds in a row that would all have fitted a smaller slot, so a training
 // step's big round keeps its slot through the small rounds between steps. The slot stays
 // between 2 KiB and kRoundBytes / size, so a round never sends more than kRoundBytes per rank
-// in slots: a large job keeps today's 2 KiB, and past the cap the second exchange is back.
+// in slots (the hypercube: the buffers it posts): a large job keeps 2 KiB, and past the cap the
+// second exchange (the hypercube: second transfers) is back.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,6 +47,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "hypercube.h"
 #include "shm_channel.h"
 
 namespace hvdlite {
@@ -66,16 +75,20 @@ class ControlChannel {
  public:
   // Note [Control exchange through shared memory] (shm_channel.h): with `shm`, slots travel
   // through it (an engine whose ranks all share one host), else through `backend`.
-  ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int size);
+  // `alltoall_max`: the largest size that exchanges by alltoall (HVDLITE_CONTROL_ALLTOALL_MAX).
+  ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int rank, int size, int64_t alltoall_max);
   // Every rank calls this once per round; returns every rank's bytes, indexed by rank.
   std::vector<std::string> Exchange(const std::string& mine);
   // For tests: rounds exchanged through the backend, how many of them needed the second
-  // exchange, and the slot the next round sends. Read from any thread.
+  // exchange (the hypercube: carried a message longer than its slot), and the slot the next
+  // round sends. Read from any thread.
   uint64_t rounds() const { return rounds_.load(); }
   uint64_t second_exchanges() const { return second_exchanges_.load(); }
   int64_t slot_bytes() const { return slot_now_.load(); }
 
  private:
+  // Note [Control exchange by hypercube]: past alltoall_max ranks.
+  std::vector<std::string> ExchangeByHypercube(const std::string& mine);
   // Every message at the longest length, by Gloo allgather (a message did not fit in a slot).
   std::vector<std::string> ExchangeLarge(const std::string& mine, const std::vector<int64_t>& lengths);
 
@@ -86,7 +99,9 @@ class ControlChannel {
   CollectiveBackend* backend_;
   ShmChannel* shm_;  // owned by the engine; may be null
   int size_;
+  bool by_alltoall_;
   SlotSizer sizer_;
+  Hypercube cube_;
   int64_t slot_bytes_ = 0;            // the slot that send_ and receive_ hold
   std::vector<int64_t> slot_splits_;  // slot_bytes_ for every rank
   at::Tensor send_;                   // this rank's slot, once per destination rank

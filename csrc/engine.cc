@@ -40,7 +40,7 @@ Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<Collect
       cross_(std::move(cross)),
       hierarchical_(route == CpuRouteKind::kHierarchical),
       timeline_(config.timeline_path, rank, size),
-      channel_(control_backend_.get(), hierarchical_ ? nullptr : shm_.get(), size),
+      channel_(control_backend_.get(), hierarchical_ ? nullptr : shm_.get(), rank, size, config.control_alltoall_max),
       controller_(size, config.stall_check_seconds, config.stall_shutdown_seconds,
                   static_cast<size_t>(config.cache_capacity), config.average_over_contributors),
       executor_(rank, size, cpu_backends_.front().get(),

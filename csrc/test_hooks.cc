@@ -333,6 +333,7 @@ void DefineTestHooks(py::module_& m) {
         py::arg("fail_start") = -1, py::arg("fail_wait") = -1, py::arg("also_fail") = std::vector<int64_t>());
   m.def("_staged_schedule", &StagedSchedule, py::arg("elements"), py::arg("channels"), py::arg("probes"),
         py::arg("prefault"), py::arg("buffer_elements") = 0);
+  DefineHypercubeHooks(m);
 }
 
 }  // namespace hvdlite

@@ -6,5 +6,7 @@
 namespace hvdlite {
 
 void DefineTestHooks(pybind11::module_& m);
+// test_hooks_hypercube.cc: the control plane's hypercube over in-memory mailboxes.
+void DefineHypercubeHooks(pybind11::module_& m);
 
 }  // namespace hvdlite

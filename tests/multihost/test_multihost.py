@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import pytest
 
 from tests.multihost.hosts import PREFIX
 
@@ -90,11 +91,17 @@ def test_collectives_and_training_across_two_hosts_launched_from_one_of_them(hos
     assert_nothing_left(hosts)
 
 
-def test_three_hosts_from_outside_with_a_hostfile(hosts, tmp_path):
+# Note [Control exchange by alltoall], and the hypercube (HVDLITE_CONTROL_ALLTOALL_MAX=0: Note
+# [Control exchange by hypercube], here with 6 and 3 ranks, so with ranks folded in and out)
+EXCHANGES = {"alltoall": {}, "hypercube": {"HVDLITE_CONTROL_ALLTOALL_MAX": "0"}}
+
+
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_three_hosts_from_outside_with_a_hostfile(hosts, tmp_path, exchange):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("".join(f"{hosts.address(n)} slots=2\n" for n in ("hvta", "hvtb", "hvtc")))
     result = subprocess.run(launcher(hosts, "--verbose", "--hostfile", str(hostfile)) + JOB, cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, env={**os.environ, **EXCHANGES[exchange]})
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert sorted(lines(out, "CHECKED")) == [
@@ -231,8 +238,9 @@ def _check_survivors(job, lost_rank, lost_host, since, limit):
     return max(t for t, line in failed if any(f"FAILED rank {r} " in line for r in survivors)) - since
 
 
-def test_every_process_of_one_host_killed_at_once(hosts):
-    job = _long_job(hosts, {})
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_every_process_of_one_host_killed_at_once(hosts, exchange):
+    job = _long_job(hosts, EXCHANGES[exchange])
     try:
         job.wait_for("TRAINING rank", 3)
         killed = time.time()
@@ -268,12 +276,14 @@ def test_link_of_one_host_cut_mid_training(hosts):
     assert_nothing_left(hosts, within=30.0)  # the cut host's ranks time out by themselves
 
 
-def test_a_frozen_rank_on_another_host_is_named_within_the_stall_time(hosts):
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_a_frozen_rank_on_another_host_is_named_within_the_stall_time(hosts, exchange):
     """SIGSTOP: hvtc's rank is alive, its sockets open, and it never joins another round. The
     others give up on the control exchange after the stall shutdown time, not the 300 s
     process-group timeout, and the census names it (Note [Frozen peers] in groups.py)."""
     stall = 4
-    job = _long_job(hosts, {"HVDLITE_STALL_CHECK_TIME_SECONDS": "2", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": str(stall)})
+    job = _long_job(hosts, {"HVDLITE_STALL_CHECK_TIME_SECONDS": "2", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": str(stall),
+                            **EXCHANGES[exchange]})
     frozen = None
     try:
         job.wait_for("TRAINING rank", 3)

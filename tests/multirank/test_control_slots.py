@@ -74,7 +74,11 @@ def _slots_job():
     return [grown, shrunk, regrown, capped]
 
 
+@pytest.mark.parametrize("exchange", ["alltoall", "hypercube"])
 @pytest.mark.parametrize("size", [2, 3])
-def test_slots_grow_with_the_step_shrink_after_calm_rounds_and_agree(size):
-    slots = run_ranks(size, __name__, "_slots_job", env=GLOO_CONTROL, timeout=180)
+def test_slots_grow_with_the_step_shrink_after_calm_rounds_and_agree(size, exchange):
+    # Note [Control exchange by alltoall], and past HVDLITE_CONTROL_ALLTOALL_MAX (0 here) Note
+    # [Control exchange by hypercube], where a longer message takes a second transfer
+    env = {**GLOO_CONTROL, **({"HVDLITE_CONTROL_ALLTOALL_MAX": "0"} if exchange == "hypercube" else {})}
+    slots = run_ranks(size, __name__, "_slots_job", env=env, timeout=180)
     assert all(s == slots[0] for s in slots), slots
