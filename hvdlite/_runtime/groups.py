@@ -36,17 +36,36 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 def _gloo_devices(loopback):
     """Where Gloo listens and what it tells its peers.
 
+    Note [Connections on first use]
+    Every device is lazy: a Gloo group publishes one address at creation and connects a pair
+    of ranks the first time they exchange, instead of a connection to every peer (and two
+    store requests per peer) up front. The paths training uses touch few peers: the control
+    plane every peer up to HVDLITE_CONTROL_ALLTOALL_MAX ranks (16) and log2(N) + 1 beyond (Note
+    [Control exchange by hypercube] in csrc/hypercube.h), Gloo's ring allreduce and allgather
+    two; an alltoall connects every pair it needs when a
+    user calls one. The cost: an address that does not reach a peer shows at the first
+    exchange with it, not at init; the first round already exchanges with every hypercube
+    partner, and hvdliterun's network discovery has checked the interface between every pair
+    of hosts. Connecting lazily also loses what a full mesh gave for free: a peer that dies
+    closes its connections, which fails at once whoever waits on it, but a rank still trying to
+    reach a dead peer it never connected to waits for the process-group timeout. So each
+    engine connects the pairs its regular paths use before init() returns: the control
+    plane's partners (one exchange, in MakeEngine), each CPU channel's ring neighbours (one
+    allreduce; Gloo's allgather uses the same ring) and the first channel's broadcast from rank
+    0 (_connect_data below). What else a job calls (a broadcast from another root, an alltoall)
+    connects its pairs on first use.
+
     GLOO_SOCKET_IFNAME (hvdliterun sets it from network discovery, Note [Network discovery] in
     runner/task_service.py; users may set it themselves) names the interfaces, as it does for
     torch.distributed's own Gloo groups. Without it, Gloo's default follows this host's name,
     which on many machines resolves to an address other hosts cannot reach.
     """
     if loopback:
-        return [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        return [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=True)]
     names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
     if names:
-        return [dist.ProcessGroupGloo.create_device(interface=name) for name in names]
-    return [dist.ProcessGroupGloo.create_default_device()]
+        return [dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True) for name in names]
+    return [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
 
 
 def _timeout():
@@ -68,6 +87,13 @@ def _gloo_group(store, rank, size, loopback):
     options._timeout = _timeout()
     options._devices = _gloo_devices(loopback)
     return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _connect_data(cpu, cross):
+    """Note [Connections on first use]: the pairs the data paths use, connected now."""
+    for group in cpu + ([cross] if cross is not None else []):
+        group.allreduce([torch.zeros(1)]).wait()
+    cpu[0].broadcast([torch.zeros(1)], dist.BroadcastOptions()).wait()
 
 
 def _nccl_group(store, rank, size):
@@ -251,6 +277,7 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
         cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
                for i in range(plan.cpu_channels)]
         cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
+        _connect_data(cpu, plan.cross)
     except RuntimeError as exc:
         hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
                 "other (hvdliterun finds one by itself)" if not loopback else "")

@@ -120,15 +120,13 @@ def _requests_per_rank(size):
 
 
 @pytest.mark.slow
-def test_init_reads_every_ranks_record_in_constant_requests():
+def test_init_requests_per_rank_grow_with_log_n_not_n():
     """hvd.init()'s own store requests (publishing and reading every rank's record, the
-    shared-memory agreement) do not grow with the job; what does grow is the Gloo groups'
-    rendezvous: each group's full mesh makes every rank wait for and get each peer's address
-    (2 requests per peer and group), which the control plane's issue removes."""
-    small, large = _requests_per_rank(2), _requests_per_rank(4)
-    groups = 2  # the control group and one CPU channel
-    for rank in range(2):
-        own_small = small[rank] - groups * 2 * 2
-        own_large = large[rank] - groups * 2 * 4
-        assert own_small == own_large, (small, large)
-        assert own_large <= 20, large
+    shared-memory agreement) do not grow with the job, and the Gloo groups no longer rendezvous
+    as a full mesh (2 requests per peer and group): each group publishes one address and a rank
+    asks for a peer's only when it connects to it (Note [Connections on first use] in
+    hvdlite/_runtime/groups.py), here its ring neighbours and the broadcast tree's."""
+    small, large = _requests_per_rank(4), _requests_per_rank(8)
+    # a full mesh of the two groups would add 2 requests per peer and group: 16 from 4 to 8
+    assert max(large.values()) - max(small.values()) <= 4, (small, large)
+    assert max(large.values()) <= 24, large
