@@ -98,8 +98,9 @@ def _kill_namespace(ns):
 
 
 class TestHosts:
-    def __init__(self, names, python=None):
+    def __init__(self, names, python=None, ssh=True):
         self.names = list(names)
+        self.ssh = ssh  # False: no sshd (bench/scale.py enters the namespaces itself)
         self.python = python
         self.dir = None
         self.ns = {name: f"{PREFIX}-{name}" for name in self.names}
@@ -139,6 +140,8 @@ class TestHosts:
         _ip("route", "add", "blackhole", f"{SUPERNET}.0.0/16")
         for i, name in enumerate(self.names):
             self._make_host(i, name)
+        if not self.ssh:
+            return
         for name in self.names:
             self.start_sshd(name)
         for name in self.names:

@@ -1,0 +1,269 @@
+"""Scale across hosts: K hosts made of network namespaces, one rank on each, hvdlite beside Gloo
+in the same job.
+
+    python bench/scale.py [--hosts 2,4,8,16,32] [--runs 3] [--json FILE]     (root)
+
+Each host is a network namespace with its own address on a shared bridge (tests/multihost/
+hosts.py, without sshd) and its own host name. This process imports torch and hvdlite once, then
+forks every rank, which enters its host's namespace and runs as torchrun would start it (RANK,
+WORLD_SIZE, MASTER_ADDR: a TCPStore this process hosts on the bridge). So 32 ranks fit in memory
+on a small machine; every rank still runs on this machine's cores, so the times below are those
+of K processes sharing them, not of K machines: compare hvdlite and Gloo at the same K, in the
+same job, as ratios.
+
+Per K, each rank reports, and the table prints the slowest rank's (times: median over
+interleaved blocks, each block timed on every rank and its slowest rank taken):
+  - hvd.init(), and torch.distributed's Gloo init_process_group, timed in the same job;
+  - a 4-byte allreduce, and 1 MiB, hvdlite and Gloo;
+  - a step of 161 one-element tensors (ResNet-50's gradient count, so the round carries 161
+    cached requests and their inlined values), hvdlite's allreduce_async_ and synchronize (averages) as
+    DistributedOptimizer does, Gloo's 161 async all_reduce; and hvdlite's negotiation time per
+    round over those steps (the engine's own counter);
+  - fds, threads and resident memory after hvdlite's collectives ran, before the Gloo group
+    exists (hvdlite's own), and fds after Gloo's too.
+"""
+import argparse
+import ctypes
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import hvdlite as hvd  # noqa: E402
+from hvdlite._runtime import state as _state  # noqa: E402
+from tests.multihost.hosts import TestHosts, unavailable  # noqa: E402
+
+CLONE_NEWNET, CLONE_NEWUTS = 0x40000000, 0x04000000
+BLOCKS = 7
+
+
+def enter_host(ns, name):
+    """This process joins host `name`: its network namespace and a host name of its own."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {ns}")
+    finally:
+        os.close(fd)
+    if libc.unshare(CLONE_NEWUTS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare the host name")
+    socket.sethostname(name)
+
+
+def static_neighbours(hosts):
+    """Every host knows every other host's link address: with 32 hosts' ranks on two cores, an
+    address resolution could time out under load ("No route to host" in Gloo's full-mesh
+    connect), which measures the machine, not the software."""
+    macs = {}
+    for name in hosts.names:
+        out = subprocess.run(["ip", "-n", hosts.ns[name], "-j", "link", "show", "eth0"], check=True,
+                             capture_output=True, text=True).stdout
+        macs[name] = json.loads(out)[0]["address"]
+    for name in hosts.names:
+        lines = "".join(f"neigh replace {hosts.address(o)} lladdr {macs[o]} dev eth0 nud permanent\n"
+                        for o in hosts.names if o != name)
+        subprocess.run(["ip", "-n", hosts.ns[name], "-batch", "-"], input=lines, check=True, text=True)
+
+
+def per_rank_counts():
+    rss = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")), "rss": rss}
+
+
+def blocks(methods, per_block):
+    """{name: fn} -> {name: [seconds per call, one per block]}, the blocks of every method
+    interleaved, each started from a Gloo barrier."""
+    times = {name: [] for name in methods}
+    for b in range(BLOCKS + 1):
+        for name, fn in (methods.items() if b % 2 == 0 else reversed(methods.items())):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(per_block[name]):
+                fn()
+            if b > 0:  # the first block warms up
+                times[name].append((time.perf_counter() - start) / per_block[name])
+    return times
+
+
+def rank_job(size, out_path):
+    rank = int(os.environ["RANK"])
+    start = time.perf_counter()
+    hvd.init()
+    hvd_init = time.perf_counter() - start
+    engine = _state.current().sets[0].engine
+    small = torch.ones(1)
+    mib = torch.ones(1 << 18)
+    step = [torch.full((1,), float(i)) for i in range(161)]
+
+    def hvd_step():
+        handles = [hvd.allreduce_async_(t, name=f"grad.{i}", op=hvd.Average) for i, t in enumerate(step)]
+        for h in handles:
+            hvd.synchronize(h)
+
+    for _ in range(3):  # the collectives' first rounds, before counting what hvdlite holds
+        hvd.allreduce(small, name="small")
+        hvd.allreduce(mib, name="mib")
+        hvd_step()
+    mine = per_rank_counts()
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False)
+    start = time.perf_counter()
+    dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", store), rank=rank, world_size=size)
+    gloo_init = time.perf_counter() - start
+
+    def gloo_step():
+        for w in [dist.all_reduce(t, async_op=True) for t in step]:
+            w.wait()
+
+    # Results checked before timing: every rank's value against the sum computed here
+    got = hvd.allreduce(torch.full((1,), float(rank)), name="check", op=hvd.Sum)
+    assert got.item() == size * (size - 1) / 2, got
+    check = [torch.full((1,), float(i + rank)) for i in range(161)]
+    handles = [hvd.allreduce_async_(t, name=f"grad.{i}", op=hvd.Average) for i, t in enumerate(check)]
+    for i, h in enumerate(handles):
+        assert abs(hvd.synchronize(h).item() - (i + (size - 1) / 2)) < 1e-4
+    methods = {
+        "hvdlite 4 B": lambda: hvd.allreduce(small, name="small"),
+        "Gloo 4 B": lambda: dist.all_reduce(small),
+        "hvdlite 1 MiB": lambda: hvd.allreduce(mib, name="mib"),
+        "Gloo 1 MiB": lambda: dist.all_reduce(mib),
+        "hvdlite 161-tensor step": hvd_step,
+        "Gloo 161-tensor step": gloo_step,
+    }
+    per_block = {"hvdlite 4 B": 20, "Gloo 4 B": 20, "hvdlite 1 MiB": 3, "Gloo 1 MiB": 3,
+                 "hvdlite 161-tensor step": 2, "Gloo 161-tensor step": 2}
+    before = engine.metrics()
+    times = blocks({k: v for k, v in methods.items() if "step" in k}, per_block)
+    after = engine.metrics()
+    rounds = after["negotiations"] - before["negotiations"]
+    negotiation = (after["negotiate_sum_s"] - before["negotiate_sum_s"]) / max(rounds, 1)
+    times.update(blocks({k: v for k, v in methods.items() if "step" not in k}, per_block))
+    # every rank takes each block's slowest rank
+    names = sorted(times)
+    t = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    slowest = {n: t[i].tolist() for i, n in enumerate(names)}
+    result = {"rank": rank, "hvd_init": hvd_init, "gloo_init": gloo_init, "counts": mine,
+              "fds_with_gloo": per_rank_counts()["fds"], "negotiation": negotiation, "times": slowest}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    hvd.shutdown()
+
+
+def run(k, runs_dir, timeout):
+    names = [f"s{i:02d}" for i in range(k)]
+    out = {}
+    with TestHosts(names, ssh=False) as hosts:
+        static_neighbours(hosts)
+        # Every rank is forked before the store exists: a store's server thread could hold a
+        # lock (malloc's, say) at the moment of a fork, and the child would then hang on it.
+        children, pipes = {}, []
+        for rank, name in enumerate(names):
+            path = os.path.join(runs_dir, f"k{k}.r{rank}.json")
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.close(write_end)
+                    port = int(os.read(read_end, 64).decode())
+                    enter_host(hosts.ns[name], name)
+                    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(k), "LOCAL_RANK": "0",
+                                       "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
+                                       "MASTER_ADDR": hosts.outside_address, "MASTER_PORT": str(port),
+                                       "TORCHELASTIC_USE_AGENT_STORE": "true", "GLOO_SOCKET_IFNAME": "eth0"})
+                    rank_job(k, path)
+                    code = 0
+                except BaseException:
+                    import traceback
+                    traceback.print_exc()
+                finally:
+                    os._exit(code)
+            os.close(read_end)
+            pipes.append(write_end)
+            children[pid] = path
+        store = dist.TCPStore(hosts.outside_address, 0, is_master=True, wait_for_workers=False)
+        for write_end in pipes:
+            os.write(write_end, str(store.port).encode())
+            os.close(write_end)
+        deadline = time.monotonic() + timeout
+        failed = []
+        while children and time.monotonic() < deadline:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.1)
+                continue
+            path = children.pop(pid)
+            if status != 0:
+                failed.append(path)
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        if failed or children:
+            raise RuntimeError(f"K={k}: ranks failed ({failed}) or timed out ({list(children.values())})")
+        results = []
+        for rank in range(k):
+            with open(os.path.join(runs_dir, f"k{k}.r{rank}.json")) as f:
+                results.append(json.load(f))
+        del store
+    times = results[0]["times"]
+    out = {name: statistics.median(values) for name, values in times.items()}
+    out["hvd_init"] = max(r["hvd_init"] for r in results)
+    out["gloo_init"] = max(r["gloo_init"] for r in results)
+    out["negotiation"] = max(r["negotiation"] for r in results)
+    for key in ("fds", "threads", "rss"):
+        out[key] = max(r["counts"][key] for r in results)
+    out["fds_with_gloo"] = max(r["fds_with_gloo"] for r in results)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="2,4,8,16,32")
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    why = unavailable()
+    if why:
+        sys.exit(f"bench/scale.py needs test hosts: {why}")
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for run_index in range(args.runs):
+            for k in (int(x) for x in args.hosts.split(",")):
+                row = run(k, runs_dir, args.timeout)
+                row.update({"k": k, "run": run_index})
+                rows.append(row)
+                us = lambda key: row[key] * 1e6  # noqa: E731
+                print(f"run {run_index} K={k:>2}: 4 B {us('hvdlite 4 B'):8.0f} / {us('Gloo 4 B'):8.0f} us "
+                      f"({row['hvdlite 4 B'] / row['Gloo 4 B']:.2f}x)  "
+                      f"1 MiB {row['hvdlite 1 MiB'] * 1e3:7.2f} / {row['Gloo 1 MiB'] * 1e3:7.2f} ms  "
+                      f"step {row['hvdlite 161-tensor step'] * 1e3:7.2f} / {row['Gloo 161-tensor step'] * 1e3:7.2f} ms  "
+                      f"negotiation {us('negotiation'):7.0f} us  "
+                      f"init {row['hvd_init']:.2f} / {row['gloo_init']:.2f} s  "
+                      f"fds {row['fds']} ({row['fds_with_gloo']} with Gloo)  threads {row['threads']}  "
+                      f"RSS {row['rss'] / 2**20:.0f} MB", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
