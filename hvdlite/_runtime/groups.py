@@ -91,9 +91,10 @@ def _gloo_group(store, rank, size, loopback):
 
 def _connect_data(cpu, cross):
     """Note [Connections on first use]: the pairs the data paths use, connected now."""
-    for group in cpu + ([cross] if cross is not None else []):
-        group.allreduce([torch.zeros(1)]).wait()
-    cpu[0].broadcast([torch.zeros(1)], dist.BroadcastOptions()).wait()
+    works = [group.allreduce([torch.zeros(1)]) for group in cpu + ([cross] if cross is not None else [])]
+    works.append(cpu[0].broadcast([torch.zeros(1)], dist.BroadcastOptions()))
+    for work in works:  # the groups connect at the same time, each on its own threads
+        work.wait()
 
 
 def _nccl_group(store, rank, size):
