@@ -86,6 +86,10 @@ def _gloo_group(store, rank, size, loopback):
     options = dist.ProcessGroupGloo._Options()
     options._timeout = _timeout()
     options._devices = _gloo_devices(loopback)
+    # One worker thread, not Gloo's default two: the engine has at most one operation in flight
+    # per group (a WorkWindow lane per CPU channel, Note [CPU channels] in csrc/cpu_route.h;
+    # the control group runs one exchange at a time), so a second worker would only wait.
+    options._threads = 1
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
@@ -224,8 +228,9 @@ class TransportPlan(NamedTuple):
     verdicts agreed through the store by _segment and _agree), so every rank makes the same
     plan and the same groups. Only the Gloo channels route stripes over several groups; the
     others make one, which carries what they do not run (alltoall, reducescatter through Gloo):
-    each Gloo group brings a loop thread that wakes every 10 ms, two worker threads and a
-    connection per peer (measured: docs/performance.md, Design measurements)."""
+    each Gloo group brings a loop thread that wakes every 10 ms, a worker thread and a
+    connection per peer it exchanges with (measured: docs/performance.md, Design
+    measurements)."""
     route: str          # "hierarchical", "shared_memory" or "gloo_channels"
     cpu_channels: int   # Gloo groups for CPU data
     shm: object         # this host's _core.ShmChannel, or None
