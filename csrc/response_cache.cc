@@ -19,20 +19,20 @@ int32_t ResponseCache::Lookup(int rank, const Request& request) const {
   auto it = by_name_.find(request.name);
   if (it == by_name_.end()) return -1;
   const Entry& entry = entries_[it->second];
-  if (!entry.present[rank] || !entry.by_rank[rank].SameAs(request)) return -1;
+  if (entry.of_rank[rank] == kAbsent || !entry.distinct[entry.of_rank[rank]].SameAs(request)) return -1;
   return static_cast<int32_t>(it->second);
 }
 
 bool ResponseCache::Resolve(int rank, uint32_t id, Request* out) const {
   if (id >= entries_.size() || rank < 0 || rank >= size_) return false;
   const Entry& entry = entries_[id];
-  if (entry.name.empty() || !entry.present[rank]) return false;
-  *out = entry.by_rank[rank];
+  if (entry.name.empty() || entry.of_rank[rank] == kAbsent) return false;
+  *out = entry.distinct[entry.of_rank[rank]];
   return true;
 }
 
-void ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank) {
-  if (capacity_ == 0) return;
+int64_t ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank) {
+  if (capacity_ == 0) return -1;
   const std::string& name = by_rank.front().name;
   uint32_t id;
   auto found = by_name_.find(name);
@@ -56,17 +56,42 @@ void ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Requ
   entry.recency = recency_.begin();
   if (is_new) {
     entry.name = name;
-    entry.by_rank.assign(size_, Request());
-    entry.present.assign(size_, false);
+    entry.distinct.clear();
+    entry.of_rank.assign(size_, kAbsent);
     by_name_[name] = id;
     fingerprint_ ^= IdHash(id, name);
   }
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    entry.by_rank[ranks[i]] = by_rank[i];
-    entry.by_rank[ranks[i]].payload.clear();
-    entry.by_rank[ranks[i]].inlined = false;
-    entry.present[ranks[i]] = true;
+  // A name decided again as it was (a training loop's steady state) changes nothing and
+  // allocates nothing.
+  bool same = !is_new;
+  for (size_t i = 0; same && i < ranks.size(); ++i) {
+    const uint32_t k = entry.of_rank[ranks[i]];
+    same = k != kAbsent && entry.distinct[k].SameAs(by_rank[i]);
   }
+  if (same) return id;
+  // Rebuilt rank by rank, each request shared with the rank before when equal (where every
+  // rank sent the same request, one copy): ranks that did not take part keep theirs.
+  std::vector<Request> distinct;
+  std::vector<uint32_t> of_rank(size_, kAbsent);
+  size_t next = 0;
+  for (int r = 0; r < size_; ++r) {
+    const Request* request = nullptr;
+    if (next < ranks.size() && ranks[next] == r) {
+      request = &by_rank[next++];
+    } else if (entry.of_rank[r] != kAbsent) {
+      request = &entry.distinct[entry.of_rank[r]];
+    }
+    if (request == nullptr) continue;
+    if (distinct.empty() || !distinct.back().SameAs(*request)) {
+      distinct.push_back(*request);
+      distinct.back().payload.clear();
+      distinct.back().inlined = false;
+    }
+    of_rank[r] = static_cast<uint32_t>(distinct.size() - 1);
+  }
+  entry.distinct = std::move(distinct);
+  entry.of_rank = std::move(of_rank);
+  return id;
 }
 
 void ResponseCache::Clear() {

@@ -34,20 +34,28 @@ class ResponseCache {
   // Fills `out` with `rank`'s request cached under `id`; false if there is none.
   bool Resolve(int rank, uint32_t id, Request* out) const;
   // Records the requests `ranks` made for a name that just became ready (by_rank[i] is
-  // ranks[i]'s; payloads are not kept).
-  void Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
+  // ranks[i]'s; payloads are not kept); returns its id, or -1 with no cache.
+  int64_t Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
+  // `id` was used again as it stands (Note [Cached rounds] in cached_round.h): most recent now.
+  void Touch(uint32_t id) { recency_.splice(recency_.begin(), recency_, entries_[id].recency); }
 
   size_t entries() const { return by_name_.size(); }
+  bool enabled() const { return capacity_ > 0; }
+  uint32_t id_space() const { return static_cast<uint32_t>(entries_.size()); }
   // Which names sit under which ids, as one number (Note [Agreement digest] in controller.h).
   uint64_t Fingerprint() const { return fingerprint_ ^ entries_.size(); }
   // Forgets everything (a test hook that makes one rank's cache diverge).
   void Clear();
 
  private:
+  // Every rank's request, as indices into the distinct ones: where every rank sent the same
+  // request, one copy and 4 bytes per rank (a ResNet-50 step at 16,384 ranks: 587 MB of
+  // tables with a copy per rank; docs/performance.md).
+  static constexpr uint32_t kAbsent = UINT32_MAX;  // the rank has no request under this name
   struct Entry {
     std::string name;
-    std::vector<Request> by_rank;
-    std::vector<bool> present;
+    std::vector<Request> distinct;
+    std::vector<uint32_t> of_rank;  // index into distinct, or kAbsent
     std::list<uint32_t>::iterator recency;
   };
   size_t capacity_;
