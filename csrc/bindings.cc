@@ -383,6 +383,11 @@ PYBIND11_MODULE(_core, m) {
                                const ControlChannel& c = e.control_channel();
                                return py::make_tuple(c.rounds(), c.second_exchanges(), c.slot_bytes());
                              })
+      // Note [Cached rounds]: (reductions tried, rounds decided by them).
+      .def_property_readonly("_cached_rounds",
+                             [](const Engine& e) {
+                               return py::make_tuple(e.control_channel().reductions(), e.cached_rounds());
+                             })
       .def_property_readonly("_straight_shares", &Engine::straight_shares)
       .def_property_readonly("_single_copy_blocks", &Engine::single_copy_blocks)
       .def("_set_single_copy_min", &Engine::SetSingleCopyMin, py::arg("min_bytes"))

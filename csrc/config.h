@@ -62,6 +62,10 @@ struct Config {
   // messages across hosts by one alltoall, larger ones by recursive doubling (Note [Control
   // exchange by alltoall] in control_channel.h). Rank 0's value applies to the job.
   int64_t control_alltoall_max = 16;
+  // HVDLITE_CACHED_ROUNDS: 1 (default) lets those larger engines settle a steady round by a
+  // reduction of a few words per rank (Note [Cached rounds] in cached_round.h); 0: every round
+  // carries every rank's message. Rank 0's value applies to the job.
+  bool cached_rounds = true;
   // HVDLITE_SHARED_MEMORY: 1 (default) lets an engine whose ranks all run on one host allreduce
   // CPU tensors through shared memory (Note [Shared-memory allreduce] in shm_channel.h); 0
   // keeps everything on Gloo. Rank 0's value applies to the job.

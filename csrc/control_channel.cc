@@ -101,6 +101,12 @@ std::vector<std::string> ControlChannel::ExchangeByHypercube(const std::string& 
   return messages;
 }
 
+std::string ControlChannel::Reduce(const std::string& mine, const Hypercube::Combine& combine) {
+  std::string combined = cube_.Reduce(mine, combine);
+  reductions_.fetch_add(1, std::memory_order_relaxed);
+  return combined;
+}
+
 std::vector<std::string> ControlChannel::ExchangeLarge(const std::string& mine, const std::vector<int64_t>& lengths) {
   // Someone's message did not fit in a slot: exchange every message at the longest length.
   const int64_t longest = *std::max_element(lengths.begin(), lengths.end());

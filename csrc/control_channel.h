@@ -79,12 +79,17 @@ class ControlChannel {
   ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int rank, int size, int64_t alltoall_max);
   // Every rank calls this once per round; returns every rank's bytes, indexed by rank.
   std::vector<std::string> Exchange(const std::string& mine);
+  // Note [Cached rounds] (cached_round.h): whether this channel can combine every rank's bytes
+  // by reduction (recursive doubling, without shared memory), and the reduction itself.
+  bool reduces() const { return shm_ == nullptr && !by_alltoall_; }
+  std::string Reduce(const std::string& mine, const Hypercube::Combine& combine);
   // For tests: rounds exchanged through the backend, how many of them needed the second
   // exchange (the hypercube: carried a message longer than its slot), and the slot the next
   // round sends. Read from any thread.
   uint64_t rounds() const { return rounds_.load(); }
   uint64_t second_exchanges() const { return second_exchanges_.load(); }
   int64_t slot_bytes() const { return slot_now_.load(); }
+  uint64_t reductions() const { return reductions_.load(); }
 
  private:
   // Note [Control exchange by hypercube]: past alltoall_max ranks.
@@ -106,7 +111,7 @@ class ControlChannel {
   std::vector<int64_t> slot_splits_;  // slot_bytes_ for every rank
   at::Tensor send_;                   // this rank's slot, once per destination rank
   at::Tensor receive_;
-  std::atomic<uint64_t> rounds_{0}, second_exchanges_{0};
+  std::atomic<uint64_t> rounds_{0}, second_exchanges_{0}, reductions_{0};
   std::atomic<int64_t> slot_now_{0};
 };
 

@@ -96,13 +96,67 @@ RoundResult Controller::ProcessRound(std::vector<RankMessage> messages) {
   }
   InspectStalls(now_ms, &result);
   result.quiet = !any_request && result.ready.empty();
-  for (const ReadyItem& item : result.ready) {  // Note [Agreement digest]
+  ChainDecisions(result.ready);
+  return result;
+}
+
+void Controller::ChainDecisions(const std::vector<ReadyItem>& ready) {
+  for (const ReadyItem& item : ready) {  // Note [Agreement digest]
     decisions_ = Chain(decisions_, HashString(item.request.name));
     decisions_ = Chain(decisions_, static_cast<uint64_t>(item.status.code()) |
-                                       (static_cast<uint64_t>(item.contributors) << 8) |
-                                       (static_cast<uint64_t>(item.inlined) << 40));
+                                                (static_cast<uint64_t>(item.contributors) << 8) |
+                                                (static_cast<uint64_t>(item.inlined) << 40));
   }
+}
+
+bool Controller::CanRepeat(const std::vector<uint32_t>& ids) const {
+  return std::all_of(ids.begin(), ids.end(),
+                     [this](uint32_t id) { return id < repeatable_.size() && repeatable_[id].has_value(); });
+}
+
+RoundResult Controller::ProcessRepeated(const std::vector<uint32_t>& ids,
+                                        std::vector<std::map<uint32_t, std::string>>* payloads, bool all_outstanding,
+                                        int64_t now_ms) {
+  // Note [Cached rounds]: each id's decision is the one made when its entry was last recorded,
+  // from the same requests (a cache hit is a request equal to its entry), so it is made again
+  // as it was, with this round's payloads, as the in-step path would (Note [Rounds in step]).
+  RoundResult result;
+  result.all_outstanding = all_outstanding;
+  for (uint32_t id : ids) {
+    ReadyItem item = *repeatable_[id];
+    const Request& request = item.request;
+    const bool inlinable = request.kind == CollectiveKind::kAllreduce ||
+                           request.kind == CollectiveKind::kAllgather || request.kind == CollectiveKind::kBroadcast;
+    if (inlinable && std::all_of(payloads->begin(), payloads->end(), [id](const auto& p) { return p.count(id) > 0; })) {
+      item.inlined = true;
+      item.payloads.reserve(size_);
+      for (auto& by_id : *payloads) item.payloads.push_back(std::move(by_id[id]));
+    }
+    cache_.Touch(id);
+    ++next_sequence_;
+    Decide(std::move(item), &result.ready);
+  }
+  if (!ids.empty()) ++in_step_rounds_;
+  InspectStalls(now_ms, &result);
+  result.quiet = result.ready.empty();
+  ChainDecisions(result.ready);
   return result;
+}
+
+void Controller::Remember(int64_t id, const ReadyItem& item) {
+  if (id < 0) return;
+  if (repeatable_.size() <= static_cast<size_t>(id)) repeatable_.resize(id + 1);
+  if (!item.status.ok() || !item.joined.empty() || item.contributors != size_ ||
+      item.request.kind == CollectiveKind::kAlltoall || !item.request.group.empty()) {
+    repeatable_[id].reset();
+    return;
+  }
+  ReadyItem kept = item;
+  kept.inlined = false;
+  kept.payloads.clear();
+  kept.last_rank = -1;
+  kept.lag_us = 0;
+  repeatable_[id] = std::move(kept);
 }
 
 uint64_t Controller::Digest() const {
@@ -328,8 +382,9 @@ ReadyItem Controller::MakeReady(Pending& pending) {
     item.status = agreement;
     return finished();
   }
+  int64_t cached_id = -1;
   if (request.kind != CollectiveKind::kJoin && request.kind != CollectiveKind::kBarrier) {
-    cache_.Record(ranks, requests);
+    cached_id = cache_.Record(ranks, requests);
   }
   // Note [Inline small tensors]: if every rank sent its data along, the data has arrived.
   const bool inlinable = request.kind == CollectiveKind::kAllreduce ||
@@ -378,7 +433,9 @@ ReadyItem Controller::MakeReady(Pending& pending) {
       item.rank_splits[r] = mine.splits;
     }
   }
-  return finished();
+  ReadyItem done = finished();
+  Remember(cached_id, done);
+  return done;
 }
 
 void Controller::Decide(ReadyItem&& item, std::vector<ReadyItem>* ready) {

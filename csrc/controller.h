@@ -59,6 +59,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -95,10 +96,27 @@ class Controller {
   int32_t CacheLookup(int rank, const Request& request) const { return cache_.Lookup(rank, request); }
   bool CacheResolve(int rank, uint32_t id, Request* out) const { return cache_.Resolve(rank, id, out); }
   size_t cache_entries() const { return cache_.entries(); }
+  // Note [Cached rounds] (cached_round.h): the ids a cache hit may take (0 .. id_space() - 1),
+  // and whether a round may be tried as a cached one: nothing pending, no group held, no rank
+  // joined, a cache. The same on every rank.
+  uint32_t id_space() const { return cache_.id_space(); }
+  // Note [Cached rounds]: whether every one of `ids` (ready on every rank, each rank's request
+  // its cache entry) has a decision to repeat, and the round that repeats them: what
+  // ProcessRound would decide for every rank's cached requests, without building them.
+  // payloads[r]: rank r's inlined payloads by id (taken).
+  bool CanRepeat(const std::vector<uint32_t>& ids) const;
+  RoundResult ProcessRepeated(const std::vector<uint32_t>& ids, std::vector<std::map<uint32_t, std::string>>* payloads,
+                              bool all_outstanding, int64_t now_ms);
+  bool Settled() const {
+    return in_step_enabled_ && cache_.enabled() && pending_.empty() && groups_.empty() && last_joined_ < 0;
+  }
   // Note [Agreement digest]
   uint64_t Digest() const;
   // Test hook (Config::test_forget_cache_round): this controller forgets its response cache.
-  void ForgetCacheForTest() { cache_.Clear(); }
+  void ForgetCacheForTest() {
+    cache_.Clear();
+    repeatable_.clear();
+  }
   // Test hook (tests/unit): every round takes the general path (Note [Rounds in step]).
   void DisableInStepForTest() { in_step_enabled_ = false; }
   uint64_t in_step_rounds() const { return in_step_rounds_; }
@@ -147,6 +165,12 @@ class Controller {
   void ReleaseCompleted(std::vector<ReadyItem>* ready);
   void Erase(const std::string& name);
   ReadyItem MakeReady(Pending& pending);
+  // Note [Cached rounds]: keeps `item`, decided for the name cached under `id`, as the decision
+  // to repeat when every rank sends that entry again (where it can be repeated: every rank
+  // contributed, no failure, not an alltoall, whose splits are N x N); forgets it otherwise.
+  void Remember(int64_t id, const ReadyItem& item);
+  // Note [Agreement digest]: chains the round's decisions into decisions_.
+  void ChainDecisions(const std::vector<ReadyItem>& ready);
   void InspectStalls(int64_t now_ms, RoundResult* result);
 
   int size_;
@@ -159,6 +183,7 @@ class Controller {
   int last_joined_ = -1;
   std::map<std::string, Group> groups_;
   ResponseCache cache_;
+  std::vector<std::optional<ReadyItem>> repeatable_;  // by cache id: Remember
   uint64_t decisions_ = 0;  // Note [Agreement digest]: chain over every decision
   bool average_over_contributors_;
   bool in_step_enabled_ = true;

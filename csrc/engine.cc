@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <stdexcept>
 
 namespace hvdlite {
 namespace {
@@ -269,7 +270,15 @@ RankMessage Engine::ComposeMessage() {
     mine.shutdown_reason = shutdown_reason_;
     if (shutdown_reset_) mine.flags |= kFlagReset;
   }
-  mine.requests = queue_.TakeNewRequests();
+  // Note [Cached rounds]: what the last cached round held back goes first, as it was taken first.
+  mine.requests = std::move(held_);
+  held_.clear();
+  std::vector<Request> fresh = queue_.TakeNewRequests();
+  if (mine.requests.empty()) {
+    mine.requests = std::move(fresh);
+  } else {
+    for (Request& r : fresh) mine.requests.push_back(std::move(r));
+  }
   if (!mine.requests.empty() || queue_.HasInFlight()) mine.flags |= kFlagHasOutstanding;
   if (tuner_) {
     mine.flags |= kFlagTuned;
@@ -329,31 +338,44 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   const size_t sent = mine.requests.size();
   const bool recording = recorder_.enabled();
   if (recording) recorder_.SetRoundActivity("negotiating round", rounds_, MonotonicMicros());
-  std::vector<std::string> raw = channel_.Exchange(EncodeRankMessage(mine, [this, &cache_hits](const Request& r) {
-    const int32_t id = controller_.CacheLookup(rank_, r);
-    cache_hits += id >= 0;
-    return id;
-  }));
+  std::vector<RankMessage> messages;
+  Status shutdown = Status::Ok();
+  size_t sent_bytes = 0;
+  // Note [Cached rounds]: a steady round settles by reduction; anything else takes the full one.
+  CachedVerdict verdict;
+  const bool cached = config_.cached_rounds && channel_.reduces() && controller_.Settled() &&
+                      CachedRound(&mine, &verdict, &cache_hits);
   const int64_t exchanged_us = MonotonicMicros();
   const int64_t my_base_us = last_exchange_end_us_;
-  last_exchange_end_us_ = exchanged_us;
-  Status agreement = CheckDigests(raw);
-  if (!agreement.ok()) {
-    Stop(agreement);
-    return false;
-  }
-  std::vector<RankMessage> messages;
-  Status shutdown = DecodeRound(raw, &messages);
-  if (shutdown.code() == StatusCode::kRankFailure) {
-    Stop(shutdown);
-    return false;
+  if (!cached) {
+    held_since_us_ = 0;  // what was held travels in this round's message
+    cache_hits = 0;
+    std::vector<std::string> raw = channel_.Exchange(EncodeRankMessage(mine, [this, &cache_hits](const Request& r) {
+      const int32_t id = controller_.CacheLookup(rank_, r);
+      cache_hits += id >= 0;
+      return id;
+    }));
+    last_exchange_end_us_ = MonotonicMicros();
+    sent_bytes = raw[rank_].size();
+    Status agreement = CheckDigests(raw);
+    if (!agreement.ok()) {
+      Stop(agreement);
+      return false;
+    }
+    shutdown = DecodeRound(raw, &messages);
+    if (shutdown.code() == StatusCode::kRankFailure) {
+      Stop(shutdown);
+      return false;
+    }
+  } else {
+    last_exchange_end_us_ = exchanged_us;
   }
   const auto t1 = Clock::now();
   // The job's clock (rank 0's) now: its end of the previous exchange plus our time since ours.
-  const int64_t job_base_us = messages.front().base_us;
-  job_clock_ms_ = messages.front().clock_ms;
+  const int64_t job_base_us = cached ? verdict.base_us : messages.front().base_us;
+  job_clock_ms_ = cached ? verdict.clock_ms : messages.front().clock_ms;
   job_clock_local_ms_ = NowMs();
-  RoundResult round = controller_.ProcessRound(std::move(messages));
+  RoundResult round = cached ? DecideCached(verdict) : controller_.ProcessRound(std::move(messages));
   if (!round.stall_warning.empty()) logger_.Log(LogLevel::kWarning, round.stall_warning);
   const size_t ready = round.ready.size();
   const int64_t at_us = job_base_us + (exchanged_us - my_base_us);
@@ -406,7 +428,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
       return std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(d).count());
     };
     logger_.Log(LogLevel::kDebug, "round: sent " + std::to_string(mine.requests.size()) +
-                                      " requests (" + std::to_string(raw[rank_].size()) + " bytes), " +
+                                      " requests (" + (cached ? std::string("cached") : std::to_string(sent_bytes) + " bytes") + "), " +
                                       std::to_string(ready) + " ready in " +
                                       std::to_string(batches.size()) + " batches; negotiate " +
                                       us(t1 - t0) + " us, plan " + us(t2 - t1) + " us, execute " +

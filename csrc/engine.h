@@ -77,6 +77,7 @@
 #include "autotune.h"
 #include "backend.h"
 #include "config.h"
+#include "cached_round.h"
 #include "control_channel.h"
 #include "controller.h"
 #include "executor.h"
@@ -159,6 +160,7 @@ class Engine {
   uint64_t caller_rounds() const { return driver_.caller_rounds(); }
   // Note [Slots sized by the last rounds] (control_channel.h): for tests.
   const ControlChannel& control_channel() const { return channel_; }
+  uint64_t cached_rounds() const { return cached_rounds_.load(); }
   // Note [Single-copy allreduce] (shm_channel.h): for benchmarks and tests; false where the
   // engine has no channel or the probe did not allow it.
   bool SetSingleCopyMin(int64_t min_bytes) { return shared_memory() && shm_->SetSingleCopyMin(min_bytes); }
@@ -200,6 +202,12 @@ class Engine {
   // kRankFailure when a message is malformed.
   RankMessage ComposeMessage();
   Status DecodeRound(const std::vector<std::string>& raw, std::vector<RankMessage>* messages);
+  // Note [Cached rounds] (cached_round.h): tries this round as a cached one; true if it was
+  // settled so (`verdict`: the ids ready everywhere and their payloads; what `mine` offered
+  // that is not ready everywhere moves to held_), false if every rank must run the full round
+  // with `mine`. DecideCached decides a settled round.
+  bool CachedRound(RankMessage* mine, CachedVerdict* verdict, int64_t* cache_hits);
+  RoundResult DecideCached(CachedVerdict& verdict);
   Clock::duration IdleHeartbeat(Clock::duration idle_for) const;
   void CoalesceBurst();
   void GatherBySize();
@@ -239,6 +247,12 @@ class Engine {
   void AfterDecisions(const RoundResult& round, int64_t at_us);
   Recorder recorder_;
   int64_t last_exchange_end_us_ = 0;  // Note [Submission times]
+  // Note [Cached rounds]: requests a cached round held back (they go first in the next round's
+  // message), since when (0: none), and for how long at most before a full round takes them.
+  static constexpr int64_t kHoldMs = 100;
+  std::vector<Request> held_;
+  int64_t held_since_us_ = 0;
+  std::atomic<uint64_t> cached_rounds_{0};  // decided so (tests read it from any thread)
   int64_t job_clock_ms_ = 0, job_clock_local_ms_ = 0;  // rank 0's clock at the last round, and ours
   uint64_t signals_sent_ = 0;          // Note [Dump requests]
   std::mutex label_mu_;

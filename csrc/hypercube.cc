@@ -207,6 +207,40 @@ std::vector<std::string> Hypercube::Allgather(const std::string& mine, int64_t s
   return messages;
 }
 
+std::string Hypercube::Reduce(const std::string& mine, const Combine& combine) {
+  if (!failed_.empty()) throw std::runtime_error(failed_);
+  if (size_ == 1) return mine;
+  std::string acc = mine;
+  out_capacity_ = kReduceSlot;
+  int current_peer = -1;
+  try {
+    if (rank_ >= core_) {  // hand ours to rank - P, get the combination of all back
+      current_peer = rank_ - core_;
+      Swap(current_peer, kFoldInTag, &acc, 0);
+      return Swap(current_peer, kFoldOutTag, nullptr, kReduceSlot);
+    }
+    const int extra = rank_ + core_ < size_ ? rank_ + core_ : -1;
+    if (extra >= 0) {
+      current_peer = extra;
+      acc = combine(acc, Swap(extra, kFoldInTag, nullptr, kReduceSlot));
+    }
+    for (int k = 0; k < steps_; ++k) {
+      current_peer = rank_ ^ (1 << k);
+      acc = combine(acc, Swap(current_peer, 2 * k, &acc, kReduceSlot));
+    }
+    if (extra >= 0) {
+      current_peer = extra;
+      Swap(extra, kFoldOutTag, &acc, 0);
+    }
+  } catch (const Forwarded& e) {
+    Fail(e.what());
+  } catch (const std::exception& e) {
+    Fail("rank " + std::to_string(rank_) + " could not exchange control messages with rank " +
+         std::to_string(current_peer) + ": " + e.what());
+  }
+  return acc;
+}
+
 void Hypercube::Fail(const std::string& why) {
   // Note [Failures travel the hypercube]: every partner, on every tag it may be waiting on.
   failed_ = why;

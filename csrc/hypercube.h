@@ -39,6 +39,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -56,6 +57,13 @@ class Hypercube {
   // Every rank's bytes, indexed by rank. `slot`: the bytes one message may take (header
   // included) before its transfer needs a second one; the same on every rank.
   std::vector<std::string> Allgather(const std::string& mine, int64_t slot);
+  // Every rank's bytes combined pairwise by `combine`, which must give the same bytes for
+  // (a, b) and (b, a) (Note [Cached rounds] in cached_round.h): one transfer per step, of the
+  // combination so far, not of every message. A combination longer than kReduceSlot takes a
+  // second transfer per step.
+  using Combine = std::function<std::string(const std::string&, const std::string&)>;
+  std::string Reduce(const std::string& mine, const Combine& combine);
+  static constexpr int64_t kReduceSlot = 1024;
 
   // For tests: transfers sent and second transfers (rest that did not fit), over every round;
   // the peers this rank exchanges with.

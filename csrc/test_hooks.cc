@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <stdexcept>
 
@@ -83,7 +84,7 @@ RankMessage MessageFromDict(const py::dict& d) {
 class ControllerHarness {
  public:
   ControllerHarness(int size, double stall_check, double stall_shutdown, size_t cache_capacity, bool in_step)
-      : controller_(size, stall_check, stall_shutdown, cache_capacity) {
+      : size_(size), controller_(size, stall_check, stall_shutdown, cache_capacity) {
     if (!in_step) controller_.DisableInStepForTest();
   }
   // Encodes rank `rank`'s message as it would travel (cached requests abbreviated), then
@@ -102,7 +103,29 @@ class ControllerHarness {
   py::dict Round(const py::list& messages) {
     std::vector<RankMessage> parsed;
     for (auto m : messages) parsed.push_back(MessageFromDict(m.cast<py::dict>()));
-    RoundResult result = controller_.ProcessRound(parsed);
+    return ResultToDict(controller_.ProcessRound(parsed));
+  }
+  // Note [Cached rounds]: the round in which every rank sent the cached entries of `names`
+  // (in this order), decided by repeating their remembered decisions; None where one of them
+  // has none (the engine then decides every rank's cached requests in full).
+  py::object Repeat(const std::vector<std::string>& names) {
+    std::vector<uint32_t> ids;
+    for (const std::string& name : names) {
+      Request probe;
+      probe.name = name;
+      int32_t id = -1;
+      for (uint32_t i = 0; i < controller_.id_space() && id < 0; ++i) {
+        if (controller_.CacheResolve(0, i, &probe) && probe.name == name) id = static_cast<int32_t>(i);
+      }
+      if (id < 0) throw std::runtime_error("'" + name + "' is not cached");
+      ids.push_back(static_cast<uint32_t>(id));
+    }
+    std::sort(ids.begin(), ids.end());
+    if (!controller_.CanRepeat(ids)) return py::none();
+    std::vector<std::map<uint32_t, std::string>> payloads(size_);
+    return ResultToDict(controller_.ProcessRepeated(ids, &payloads, false, 0));
+  }
+  py::dict ResultToDict(const RoundResult& result) {
     py::list ready;
     for (const ReadyItem& item : result.ready) ready.append(ItemToDict(item));
     py::dict out;
@@ -118,8 +141,49 @@ class ControllerHarness {
   }
   uint64_t Digest() const { return controller_.Digest(); }
   void ForgetCache() { controller_.ForgetCacheForTest(); }
+  // bench/scale_model.py: the CPU of `rounds` rounds in which every rank repeats `message`
+  // (already decided once, so every request is a cache hit), as a cached round runs them
+  // (Note [Cached rounds] in cached_round.h): seconds per round to expand every rank's message
+  // from the response cache, and to decide it; and to repeat the remembered decisions instead
+  // (Controller::ProcessRepeated, what a cached round runs).
+  py::tuple RepeatCost(const py::dict& message, int rounds) {
+    const RankMessage mine = MessageFromDict(message);
+    const int size = size_;
+    double expand = 0, decide = 0, repeat = 0;
+    {
+      py::gil_scoped_release release;
+      for (int k = 0; k < rounds; ++k) {
+        const auto t0 = std::chrono::steady_clock::now();
+        std::vector<RankMessage> all(size);
+        for (int r = 0; r < size; ++r) {
+          for (const Request& request : mine.requests) {
+            const int32_t id = controller_.CacheLookup(r, request);
+            all[r].requests.emplace_back();
+            if (id < 0 || !controller_.CacheResolve(r, static_cast<uint32_t>(id), &all[r].requests.back())) {
+              throw std::runtime_error("'" + request.name + "' is not cached for rank " + std::to_string(r));
+            }
+          }
+        }
+        const auto t1 = std::chrono::steady_clock::now();
+        controller_.ProcessRound(std::move(all));
+        const auto t2 = std::chrono::steady_clock::now();
+        expand += std::chrono::duration<double>(t1 - t0).count();
+        decide += std::chrono::duration<double>(t2 - t1).count();
+        std::vector<uint32_t> ids;
+        for (const Request& request : mine.requests) ids.push_back(controller_.CacheLookup(0, request));
+        std::sort(ids.begin(), ids.end());
+        std::vector<std::map<uint32_t, std::string>> payloads(size);
+        const auto t3 = std::chrono::steady_clock::now();
+        if (!controller_.CanRepeat(ids)) throw std::runtime_error("no decision to repeat");
+        controller_.ProcessRepeated(ids, &payloads, true, 0);
+        repeat += std::chrono::duration<double>(std::chrono::steady_clock::now() - t3).count();
+      }
+    }
+    return py::make_tuple(expand / rounds, decide / rounds, repeat / rounds);
+  }
 
  private:
+  int size_;
   Controller controller_;
 };
 
@@ -289,9 +353,11 @@ void DefineTestHooks(py::module_& m) {
            py::arg("stall_check_seconds") = 0.0, py::arg("stall_shutdown_seconds") = 0.0,
            py::arg("cache_capacity") = 0, py::arg("in_step") = true)
       .def("round", &ControllerHarness::Round)
+      .def("repeat", &ControllerHarness::Repeat)
       .def("wire", &ControllerHarness::Wire)
       .def("digest", &ControllerHarness::Digest)
-      .def("forget_cache", &ControllerHarness::ForgetCache);
+      .def("forget_cache", &ControllerHarness::ForgetCache)
+      .def("repeat_cost", &ControllerHarness::RepeatCost, py::arg("message"), py::arg("rounds") = 3);
   py::class_<Autotuner>(m, "_Autotuner")
       .def(py::init([](int64_t threshold, double cycle_ms, double sample_seconds) {
              return Autotuner(TunedParams{threshold, cycle_ms}, sample_seconds);

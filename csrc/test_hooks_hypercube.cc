@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "backend.h"
+#include "cached_round.h"
 #include "hypercube.h"
 #include "test_hooks.h"
 
@@ -86,8 +87,10 @@ class MailboxLink final : public CollectiveBackend {
 // Every virtual rank but the dead ones runs `rounds` rounds of the hypercube; returns, by
 // rank, (messages of the last round, or None; the error, or None; transfers sent; bytes sent;
 // bytes received; the peers it exchanged with; the hypercube's own peer list).
+// With `reduce`, each rank runs Reduce with CombineOffers instead (Note [Cached rounds]), and
+// its result is a one-element list: the combination.
 py::list RunHypercube(const std::vector<std::string>& mine, int64_t slot, const std::vector<int>& dead, int rounds,
-                      double timeout_seconds) {
+                      double timeout_seconds, bool reduce) {
   const int size = static_cast<int>(mine.size());
   Mailboxes boxes;
   boxes.dead.insert(dead.begin(), dead.end());
@@ -108,7 +111,10 @@ py::list RunHypercube(const std::vector<std::string>& mine, int64_t slot, const 
       if (boxes.dead.count(r)) continue;
       threads.emplace_back([&, r] {
         try {
-          for (int k = 0; k < rounds; ++k) results[r] = cubes[r]->Allgather(mine[r], slot);
+          for (int k = 0; k < rounds; ++k) {
+            results[r] = reduce ? std::vector<std::string>{cubes[r]->Reduce(mine[r], CombineOffers)}
+                                : cubes[r]->Allgather(mine[r], slot);
+          }
         } catch (const std::exception& e) {
           errors[r] = e.what();
           failed[r] = true;
@@ -134,11 +140,55 @@ py::list RunHypercube(const std::vector<std::string>& mine, int64_t slot, const 
   return out;
 }
 
+py::bytes CachedOfferBytes(int rank, bool clean, bool outstanding, uint64_t settings, uint64_t state, int64_t clock_ms,
+                           int64_t base_us, uint32_t id_space, const std::vector<uint32_t>& ids,
+                           const std::map<uint32_t, std::string>& payloads) {
+  CachedOffer offer;
+  offer.rank = rank;
+  offer.clean = clean;
+  offer.outstanding = outstanding;
+  offer.settings_digest = settings;
+  offer.state_digest = state;
+  offer.clock_ms = clock_ms;
+  offer.base_us = base_us;
+  offer.id_space = id_space;
+  offer.ids = ids;
+  offer.payloads = payloads;
+  return py::bytes(EncodeOffer(offer));
+}
+
+py::dict CachedVerdictDict(const std::string& combined, int size) {
+  CachedVerdict v;
+  Status status = ReadVerdict(combined, size, &v);
+  if (!status.ok()) throw std::runtime_error(status.message());
+  py::dict out;
+  out["all_clean"] = v.all_clean;
+  out["agree"] = v.agree;
+  out["all_outstanding"] = v.all_outstanding;
+  out["clock_ms"] = v.clock_ms;
+  out["base_us"] = v.base_us;
+  out["ready"] = v.ready;
+  py::list payloads;
+  for (const auto& by_id : v.payloads) {
+    py::dict d;
+    for (const auto& [id, bytes] : by_id) d[py::int_(id)] = py::bytes(bytes);
+    payloads.append(d);
+  }
+  out["payloads"] = payloads;
+  return out;
+}
+
 }  // namespace
 
 void DefineHypercubeHooks(py::module_& m) {
   m.def("_hypercube", &RunHypercube, py::arg("messages"), py::arg("slot"), py::arg("dead") = std::vector<int>(),
-        py::arg("rounds") = 1, py::arg("timeout_seconds") = 10.0);
+        py::arg("rounds") = 1, py::arg("timeout_seconds") = 10.0, py::arg("reduce") = false);
+  // Note [Cached rounds]: one rank's offer, the combination of two, and what a combination says.
+  m.def("_cached_offer", &CachedOfferBytes, py::arg("rank"), py::arg("clean"), py::arg("outstanding"),
+        py::arg("settings"), py::arg("state"), py::arg("clock_ms"), py::arg("base_us"), py::arg("id_space"),
+        py::arg("ids"), py::arg("payloads"));
+  m.def("_cached_combine", [](const std::string& a, const std::string& b) { return py::bytes(CombineOffers(a, b)); });
+  m.def("_cached_verdict", &CachedVerdictDict, py::arg("combined"), py::arg("size"));
 }
 
 }  // namespace hvdlite
