@@ -23,15 +23,10 @@ interleaved blocks, each block timed on every rank and its slowest rank taken):
     exists (hvdlite's own), and fds after Gloo's too.
 """
 import argparse
-import ctypes
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -41,39 +36,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import hvdlite as hvd  # noqa: E402
 from hvdlite._runtime import state as _state  # noqa: E402
-from tests.multihost.hosts import TestHosts, unavailable  # noqa: E402
+from tests.multihost.forked import run_on_hosts  # noqa: E402
+from tests.multihost.hosts import unavailable  # noqa: E402
 
-CLONE_NEWNET, CLONE_NEWUTS = 0x40000000, 0x04000000
 BLOCKS = 7
-
-
-def enter_host(ns, name):
-    """This process joins host `name`: its network namespace and a host name of its own."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {ns}")
-    finally:
-        os.close(fd)
-    if libc.unshare(CLONE_NEWUTS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare the host name")
-    socket.sethostname(name)
-
-
-def static_neighbours(hosts):
-    """Every host knows every other host's link address: with 32 hosts' ranks on two cores, an
-    address resolution could time out under load ("No route to host" in Gloo's full-mesh
-    connect), which measures the machine, not the software."""
-    macs = {}
-    for name in hosts.names:
-        out = subprocess.run(["ip", "-n", hosts.ns[name], "-j", "link", "show", "eth0"], check=True,
-                             capture_output=True, text=True).stdout
-        macs[name] = json.loads(out)[0]["address"]
-    for name in hosts.names:
-        lines = "".join(f"neigh replace {hosts.address(o)} lladdr {macs[o]} dev eth0 nud permanent\n"
-                        for o in hosts.names if o != name)
-        subprocess.run(["ip", "-n", hosts.ns[name], "-batch", "-"], input=lines, check=True, text=True)
 
 
 def per_rank_counts():
@@ -100,8 +66,7 @@ def blocks(methods, per_block):
     return times
 
 
-def rank_job(size, out_path):
-    rank = int(os.environ["RANK"])
+def rank_job(rank, size):
     start = time.perf_counter()
     hvd.init()
     hvd_init = time.perf_counter() - start
@@ -158,70 +123,16 @@ def rank_job(size, out_path):
     t = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     slowest = {n: t[i].tolist() for i, n in enumerate(names)}
-    result = {"rank": rank, "hvd_init": hvd_init, "gloo_init": gloo_init, "counts": mine,
+    tried, decided = engine._cached_rounds  # Note [Cached rounds] in csrc/cached_round.h
+    result = {"rank": rank, "cached_rounds": [decided, tried], "hvd_init": hvd_init, "gloo_init": gloo_init, "counts": mine,
               "fds_with_gloo": per_rank_counts()["fds"], "negotiation": negotiation, "times": slowest}
-    with open(out_path, "w") as f:
-        json.dump(result, f)
     dist.barrier()
     hvd.shutdown()
+    return result
 
 
-def run(k, runs_dir, timeout):
-    names = [f"s{i:02d}" for i in range(k)]
-    out = {}
-    with TestHosts(names, ssh=False) as hosts:
-        static_neighbours(hosts)
-        # Every rank is forked before the store exists: a store's server thread could hold a
-        # lock (malloc's, say) at the moment of a fork, and the child would then hang on it.
-        children, pipes = {}, []
-        for rank, name in enumerate(names):
-            path = os.path.join(runs_dir, f"k{k}.r{rank}.json")
-            read_end, write_end = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    os.close(write_end)
-                    port = int(os.read(read_end, 64).decode())
-                    enter_host(hosts.ns[name], name)
-                    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(k), "LOCAL_RANK": "0",
-                                       "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
-                                       "MASTER_ADDR": hosts.outside_address, "MASTER_PORT": str(port),
-                                       "TORCHELASTIC_USE_AGENT_STORE": "true", "GLOO_SOCKET_IFNAME": "eth0"})
-                    rank_job(k, path)
-                    code = 0
-                except BaseException:
-                    import traceback
-                    traceback.print_exc()
-                finally:
-                    os._exit(code)
-            os.close(read_end)
-            pipes.append(write_end)
-            children[pid] = path
-        store = dist.TCPStore(hosts.outside_address, 0, is_master=True, wait_for_workers=False)
-        for write_end in pipes:
-            os.write(write_end, str(store.port).encode())
-            os.close(write_end)
-        deadline = time.monotonic() + timeout
-        failed = []
-        while children and time.monotonic() < deadline:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                time.sleep(0.1)
-                continue
-            path = children.pop(pid)
-            if status != 0:
-                failed.append(path)
-        for pid in children:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        if failed or children:
-            raise RuntimeError(f"K={k}: ranks failed ({failed}) or timed out ({list(children.values())})")
-        results = []
-        for rank in range(k):
-            with open(os.path.join(runs_dir, f"k{k}.r{rank}.json")) as f:
-                results.append(json.load(f))
-        del store
+def run(k, timeout, env=None):
+    results = run_on_hosts([f"s{i:02d}" for i in range(k)], rank_job, env=env, timeout=timeout)
     times = results[0]["times"]
     out = {name: statistics.median(values) for name, values in times.items()}
     out["hvd_init"] = max(r["hvd_init"] for r in results)
@@ -230,6 +141,7 @@ def run(k, runs_dir, timeout):
     for key in ("fds", "threads", "rss"):
         out[key] = max(r["counts"][key] for r in results)
     out["fds_with_gloo"] = max(r["fds_with_gloo"] for r in results)
+    out["cached_rounds"] = results[0]["cached_rounds"]
     return out
 
 
@@ -239,27 +151,32 @@ def main():
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json")
+    parser.add_argument("--ab", metavar="VAR",
+                        help="run each K twice in a row, with VAR=0 and VAR=1 in every rank (e.g. HVDLITE_CACHED_ROUNDS)")
     args = parser.parse_args()
     why = unavailable()
     if why:
         sys.exit(f"bench/scale.py needs test hosts: {why}")
     torch.set_num_threads(1)
     rows = []
-    with tempfile.TemporaryDirectory() as runs_dir:
-        for run_index in range(args.runs):
-            for k in (int(x) for x in args.hosts.split(",")):
-                row = run(k, runs_dir, args.timeout)
-                row.update({"k": k, "run": run_index})
+    variants = [{args.ab: "0"}, {args.ab: "1"}] if args.ab else [{}]
+    for run_index in range(args.runs):
+        for k in (int(x) for x in args.hosts.split(",")):
+            for env in variants:
+                row = run(k, args.timeout, env)
+                row.update({"k": k, "run": run_index, "env": env})
                 rows.append(row)
                 us = lambda key: row[key] * 1e6  # noqa: E731
-                print(f"run {run_index} K={k:>2}: 4 B {us('hvdlite 4 B'):8.0f} / {us('Gloo 4 B'):8.0f} us "
+                label = " ".join(f"{key}={value}" for key, value in env.items())
+                print(f"run {run_index} K={k:>2} {label}: 4 B {us('hvdlite 4 B'):8.0f} / {us('Gloo 4 B'):8.0f} us "
                       f"({row['hvdlite 4 B'] / row['Gloo 4 B']:.2f}x)  "
                       f"1 MiB {row['hvdlite 1 MiB'] * 1e3:7.2f} / {row['Gloo 1 MiB'] * 1e3:7.2f} ms  "
                       f"step {row['hvdlite 161-tensor step'] * 1e3:7.2f} / {row['Gloo 161-tensor step'] * 1e3:7.2f} ms  "
                       f"negotiation {us('negotiation'):7.0f} us  "
                       f"init {row['hvd_init']:.2f} / {row['gloo_init']:.2f} s  "
                       f"fds {row['fds']} ({row['fds_with_gloo']} with Gloo)  threads {row['threads']}  "
-                      f"RSS {row['rss'] / 2**20:.0f} MB", flush=True)
+                      f"RSS {row['rss'] / 2**20:.0f} MB  "
+                      f"cached rounds {row['cached_rounds'][0]} of {row['cached_rounds'][1]} tried", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

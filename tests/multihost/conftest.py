@@ -10,7 +10,10 @@ import pytest
 from tests.multihost import hosts as hostlib
 
 
-@pytest.fixture(scope="session")
+# One set of hosts per module, not per session: a module that makes hosts of its own
+# (test_many_hosts.py) clears every test namespace first, which would take a session's from
+# under the modules after it.
+@pytest.fixture(scope="module")
 def hosts():
     reason = hostlib.unavailable()
     if reason:
