@@ -13,7 +13,7 @@ namespace {
 // [u32 bitmap bytes][kWords x u64, ANDed][bitmap, ANDed][u32 sections][u32 rank, u32 length, section]...
 // A section: [u32 entries][u32 id, u32 length, payload]...
 enum Word { kFlags, kSettings, kNotSettings, kState, kNotState, kClock, kBase, kSpace, kWords };
-constexpr uint64_t kClean = 1, kOutstanding = 2;
+constexpr uint64_t kClean = 1, kOutstanding = 2, kIdle = 4;
 constexpr uint64_t kAll = ~uint64_t{0};
 constexpr uint32_t kMaxBitmapBytes = 1u << 24;
 
@@ -82,7 +82,8 @@ bool ParseSection(const std::string& in, std::map<uint32_t, std::string>* payloa
 
 std::string EncodeOffer(const CachedOffer& offer) {
   Parsed p;
-  p.words[kFlags] = kAll & ~((offer.clean ? 0 : kClean) | (offer.outstanding ? 0 : kOutstanding));
+  p.words[kFlags] = kAll & ~((offer.clean ? 0 : kClean) | (offer.outstanding ? 0 : kOutstanding) |
+                              (offer.idle ? 0 : kIdle));
   p.words[kSettings] = offer.settings_digest;
   p.words[kNotSettings] = ~offer.settings_digest;
   p.words[kState] = offer.state_digest;
@@ -111,10 +112,13 @@ std::string CombineOffers(const std::string& a, const std::string& b) {
   Parsed x, y;
   if (!Parse(a, &x) || !Parse(b, &y)) throw std::runtime_error("a malformed cached-round offer");
   for (int w = 0; w < kWords; ++w) x.words[w] &= y.words[w];
-  // A shorter bitmap (another id space: the digests then disagree too) reads as zeros.
-  if (y.bitmap.size() < x.bitmap.size()) x.bitmap.resize(y.bitmap.size());
-  for (size_t i = 0; i < x.bitmap.size(); ++i) x.bitmap[i] = static_cast<char>(x.bitmap[i] & y.bitmap[i]);
-  if (y.bitmap.size() > x.bitmap.size()) x.bitmap.resize(y.bitmap.size(), '\0');
+  // A shorter bitmap (another id space: the digests then disagree too) reads as zeros, so the
+  // result has the longer length whichever comes first.
+  const size_t common = std::min(x.bitmap.size(), y.bitmap.size());
+  x.bitmap.resize(std::max(x.bitmap.size(), y.bitmap.size()), '\0');
+  for (size_t i = 0; i < x.bitmap.size(); ++i) {
+    x.bitmap[i] = i < common ? static_cast<char>(x.bitmap[i] & y.bitmap[i]) : '\0';
+  }
   for (auto& [rank, section] : y.sections) {
     if (!x.sections.emplace(rank, std::move(section)).second) {
       throw std::runtime_error("two cached-round offers both carry rank " + std::to_string(rank) + "'s payloads");
@@ -129,6 +133,7 @@ Status ReadVerdict(const std::string& combined, int size, CachedVerdict* out) {
   CachedVerdict v;
   v.all_clean = (p.words[kFlags] & kClean) != 0;
   v.all_outstanding = (p.words[kFlags] & kOutstanding) != 0;
+  v.all_idle = (p.words[kFlags] & kIdle) != 0;
   v.agree = (p.words[kSettings] | p.words[kNotSettings]) == kAll && (p.words[kState] | p.words[kNotState]) == kAll &&
             ((p.words[kSpace] & 0xffffffffu) | (p.words[kSpace] >> 32)) == 0xffffffffu;
   v.clock_ms = static_cast<int64_t>(p.words[kClock]);
@@ -163,7 +168,8 @@ bool Engine::CachedRound(RankMessage* mine, CachedVerdict* decided, int64_t* cac
   offer.base_us = mine->base_us;
   offer.id_space = controller_.id_space();
   const int64_t now_us = MonotonicMicros();
-  offer.clean = (mine->flags & ~static_cast<uint32_t>(kFlagHasOutstanding)) == 0 &&
+  offer.idle = mine->requests.empty();
+  offer.clean = controller_.Settled() && (mine->flags & ~static_cast<uint32_t>(kFlagHasOutstanding)) == 0 &&
                 (held_since_us_ == 0 || now_us - held_since_us_ <= kHoldMs * 1000);
   std::vector<uint32_t> ids;
   for (const Request& r : mine->requests) {
@@ -196,7 +202,8 @@ bool Engine::CachedRound(RankMessage* mine, CachedVerdict* decided, int64_t* cac
 RoundResult Engine::DecideCached(CachedVerdict& verdict) {
   // Note [Cached rounds]: each ready id's decision is repeated from the controller's memory.
   if (controller_.CanRepeat(verdict.ready)) {
-    return controller_.ProcessRepeated(verdict.ready, &verdict.payloads, verdict.all_outstanding, verdict.clock_ms);
+    return controller_.ProcessRepeated(verdict.ready, &verdict.payloads, verdict.all_outstanding, verdict.all_idle,
+                                       verdict.clock_ms);
   }
   // An entry without a decision to repeat: every rank's requests for the ready ids, from the
   // cache, in id order, decided as a full round would decide them.

@@ -11,8 +11,8 @@
 // controller.h) needs no more than which cached entries are ready everywhere. So there, a round
 // first tries this: each rank contributes an offer, and the offers are combined pairwise along
 // the hypercube (log2(N) steps, each carrying one combined offer, not a set of messages):
-//   - flags, ANDed: "my message is only cache hits, no group, no flag" (clean) and "I wait on
-//     something" (outstanding);
+//   - flags, ANDed: "my message is only cache hits, no group, no flag, and the controller has
+//     nothing pending" (clean), "I wait on something" (outstanding), "I offer nothing" (idle);
 //   - the settings and state digests (Note [Agreement digest] in controller.h), each as d and
 //     ~d, ANDed: equal everywhere exactly when AND(d) | AND(~d) has every bit set;
 //   - rank 0's clock and base time (every other rank offers all ones), ANDed: rank 0's values;
@@ -41,8 +41,11 @@
 // takes down; the full round still gathers every rank's message (O(N) bytes per rank), which a
 // gather to one rank and a broadcast of its decisions would bound at the root only, and is left
 // as it is because it runs on a job's first step, new names and errors.
-// A cached round is tried only where the controller's state makes it possible, the same on
-// every rank: nothing pending, no group held, no rank joined, a response cache.
+// Every round of such an engine starts with the reduction, also where the controller's state
+// rules a cached round out (something pending, a group held, a rank joined): a rank then
+// offers itself unclean. So every rank runs the same collectives in the same order even if
+// their controllers had diverged, and the digests in the reduction send every rank to the
+// full round, whose digest check names the ranks that diverged.
 // What it gives up: a cached round carries no submission times, so straggler attribution (Note
 // [Straggler attribution] in recorder.h) sees no lag in such rounds.
 #pragma once
@@ -61,6 +64,7 @@ struct CachedOffer {
   int rank = 0;
   bool clean = false;
   bool outstanding = false;
+  bool idle = false;  // offers no request at all
   uint64_t settings_digest = 0;
   uint64_t state_digest = 0;
   int64_t clock_ms = 0;  // rank 0's are kept
@@ -75,6 +79,7 @@ struct CachedVerdict {
   bool all_clean = false;
   bool agree = false;          // settings, state digests and id spaces equal everywhere
   bool all_outstanding = false;
+  bool all_idle = false;              // no rank offered a request: a quiet round
   int64_t clock_ms = 0, base_us = 0;  // rank 0's
   std::vector<uint32_t> ready;        // ids offered by every rank, ascending
   // By rank: the payloads it offered (inlined requests), by id.

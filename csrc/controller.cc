@@ -116,7 +116,7 @@ bool Controller::CanRepeat(const std::vector<uint32_t>& ids) const {
 
 RoundResult Controller::ProcessRepeated(const std::vector<uint32_t>& ids,
                                         std::vector<std::map<uint32_t, std::string>>* payloads, bool all_outstanding,
-                                        int64_t now_ms) {
+                                        bool all_idle, int64_t now_ms) {
   // Note [Cached rounds]: each id's decision is the one made when its entry was last recorded,
   // from the same requests (a cache hit is a request equal to its entry), so it is made again
   // as it was, with this round's payloads, as the in-step path would (Note [Rounds in step]).
@@ -138,12 +138,12 @@ RoundResult Controller::ProcessRepeated(const std::vector<uint32_t>& ids,
   }
   if (!ids.empty()) ++in_step_rounds_;
   InspectStalls(now_ms, &result);
-  result.quiet = result.ready.empty();
+  result.quiet = all_idle && result.ready.empty();
   ChainDecisions(result.ready);
   return result;
 }
 
-void Controller::Remember(int64_t id, const ReadyItem& item) {
+void Controller::Remember(int64_t id, ReadyItem& item) {
   if (id < 0) return;
   if (repeatable_.size() <= static_cast<size_t>(id)) repeatable_.resize(id + 1);
   if (!item.status.ok() || !item.joined.empty() || item.contributors != size_ ||
@@ -151,9 +151,11 @@ void Controller::Remember(int64_t id, const ReadyItem& item) {
     repeatable_[id].reset();
     return;
   }
+  std::vector<std::string> payloads = std::move(item.payloads);  // not copied into the kept one
+  item.payloads.clear();
   ReadyItem kept = item;
+  item.payloads = std::move(payloads);
   kept.inlined = false;
-  kept.payloads.clear();
   kept.last_rank = -1;
   kept.lag_us = 0;
   repeatable_[id] = std::move(kept);
@@ -382,9 +384,19 @@ ReadyItem Controller::MakeReady(Pending& pending) {
     item.status = agreement;
     return finished();
   }
+  // Note [Cached rounds]: an entry that changed forgets its decision at once (a failure below
+  // returns before a new one is kept); one decided again as it was keeps the one it has.
   int64_t cached_id = -1;
   if (request.kind != CollectiveKind::kJoin && request.kind != CollectiveKind::kBarrier) {
-    cached_id = cache_.Record(ranks, requests);
+    bool changed = true;
+    cached_id = cache_.Record(ranks, requests, &changed);
+    if (cached_id >= 0 && static_cast<size_t>(cached_id) < repeatable_.size()) {
+      if (!changed && repeatable_[cached_id].has_value()) {
+        cached_id = -1;  // nothing to remember again
+      } else {
+        repeatable_[cached_id].reset();
+      }
+    }
   }
   // Note [Inline small tensors]: if every rank sent its data along, the data has arrived.
   const bool inlinable = request.kind == CollectiveKind::kAllreduce ||

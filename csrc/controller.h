@@ -97,16 +97,17 @@ class Controller {
   bool CacheResolve(int rank, uint32_t id, Request* out) const { return cache_.Resolve(rank, id, out); }
   size_t cache_entries() const { return cache_.entries(); }
   // Note [Cached rounds] (cached_round.h): the ids a cache hit may take (0 .. id_space() - 1),
-  // and whether a round may be tried as a cached one: nothing pending, no group held, no rank
-  // joined, a cache. The same on every rank.
+  // and whether a round may be settled as a cached one: nothing pending, no group held, no rank
+  // joined, a cache. The same on every rank whose controller has not diverged.
   uint32_t id_space() const { return cache_.id_space(); }
   // Note [Cached rounds]: whether every one of `ids` (ready on every rank, each rank's request
   // its cache entry) has a decision to repeat, and the round that repeats them: what
   // ProcessRound would decide for every rank's cached requests, without building them.
   // payloads[r]: rank r's inlined payloads by id (taken).
   bool CanRepeat(const std::vector<uint32_t>& ids) const;
+  // `all_idle`: no rank offered a request (a quiet round, as ProcessRound's quiet).
   RoundResult ProcessRepeated(const std::vector<uint32_t>& ids, std::vector<std::map<uint32_t, std::string>>* payloads,
-                              bool all_outstanding, int64_t now_ms);
+                              bool all_outstanding, bool all_idle, int64_t now_ms);
   bool Settled() const {
     return in_step_enabled_ && cache_.enabled() && pending_.empty() && groups_.empty() && last_joined_ < 0;
   }
@@ -165,10 +166,11 @@ class Controller {
   void ReleaseCompleted(std::vector<ReadyItem>* ready);
   void Erase(const std::string& name);
   ReadyItem MakeReady(Pending& pending);
-  // Note [Cached rounds]: keeps `item`, decided for the name cached under `id`, as the decision
-  // to repeat when every rank sends that entry again (where it can be repeated: every rank
-  // contributed, no failure, not an alltoall, whose splits are N x N); forgets it otherwise.
-  void Remember(int64_t id, const ReadyItem& item);
+  // Note [Cached rounds]: keeps `item` (but not its payloads), decided for the name cached under
+  // `id`, as the decision to repeat when every rank sends that entry again (where it can be
+  // repeated: every rank contributed, no failure, not an alltoall, whose splits are N x N);
+  // forgets it otherwise.
+  void Remember(int64_t id, ReadyItem& item);
   // Note [Agreement digest]: chains the round's decisions into decisions_.
   void ChainDecisions(const std::vector<ReadyItem>& ready);
   void InspectStalls(int64_t now_ms, RoundResult* result);

@@ -343,7 +343,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   size_t sent_bytes = 0;
   // Note [Cached rounds]: a steady round settles by reduction; anything else takes the full one.
   CachedVerdict verdict;
-  const bool cached = config_.cached_rounds && channel_.reduces() && controller_.Settled() &&
+  const bool cached = config_.cached_rounds && config_.cache_capacity > 0 && channel_.reduces() &&
                       CachedRound(&mine, &verdict, &cache_hits);
   const int64_t exchanged_us = MonotonicMicros();
   const int64_t my_base_us = last_exchange_end_us_;

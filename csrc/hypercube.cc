@@ -13,7 +13,7 @@ constexpr int64_t kHeaderBytes = 8;
 constexpr int64_t kLargestTransfer = int64_t{1} << 36;  // past this a header is corrupt
 constexpr int kFoldInTag = 1000;   // rank r >= P hands its message to r - P
 constexpr int kFoldOutTag = 1002;  // and gets every message back
-constexpr size_t kReasonBytes = 1024;
+constexpr size_t kReasonBytes = 1000;  // with its two words, within any posted buffer (kReduceSlot)
 
 at::Tensor Bytes(int64_t n) { return at::empty({n}, at::TensorOptions().dtype(at::kByte)); }
 

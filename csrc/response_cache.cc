@@ -31,7 +31,8 @@ bool ResponseCache::Resolve(int rank, uint32_t id, Request* out) const {
   return true;
 }
 
-int64_t ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank) {
+int64_t ResponseCache::Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank, bool* changed) {
+  if (changed != nullptr) *changed = true;
   if (capacity_ == 0) return -1;
   const std::string& name = by_rank.front().name;
   uint32_t id;
@@ -68,7 +69,10 @@ int64_t ResponseCache::Record(const std::vector<int>& ranks, const std::vector<R
     const uint32_t k = entry.of_rank[ranks[i]];
     same = k != kAbsent && entry.distinct[k].SameAs(by_rank[i]);
   }
-  if (same) return id;
+  if (same) {
+    if (changed != nullptr) *changed = false;
+    return id;
+  }
   // Rebuilt rank by rank, each request shared with the rank before when equal (where every
   // rank sent the same request, one copy): ranks that did not take part keep theirs.
   std::vector<Request> distinct;

@@ -34,8 +34,9 @@ class ResponseCache {
   // Fills `out` with `rank`'s request cached under `id`; false if there is none.
   bool Resolve(int rank, uint32_t id, Request* out) const;
   // Records the requests `ranks` made for a name that just became ready (by_rank[i] is
-  // ranks[i]'s; payloads are not kept); returns its id, or -1 with no cache.
-  int64_t Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank);
+  // ranks[i]'s; payloads are not kept); returns its id, or -1 with no cache. `changed`: false
+  // when the entry already held exactly these requests (where given).
+  int64_t Record(const std::vector<int>& ranks, const std::vector<Request>& by_rank, bool* changed = nullptr);
   // `id` was used again as it stands (Note [Cached rounds] in cached_round.h): most recent now.
   void Touch(uint32_t id) { recency_.splice(recency_.begin(), recency_, entries_[id].recency); }
 

@@ -123,7 +123,7 @@ class ControllerHarness {
     std::sort(ids.begin(), ids.end());
     if (!controller_.CanRepeat(ids)) return py::none();
     std::vector<std::map<uint32_t, std::string>> payloads(size_);
-    return ResultToDict(controller_.ProcessRepeated(ids, &payloads, false, 0));
+    return ResultToDict(controller_.ProcessRepeated(ids, &payloads, false, false, 0));
   }
   py::dict ResultToDict(const RoundResult& result) {
     py::list ready;
@@ -175,7 +175,7 @@ class ControllerHarness {
         std::vector<std::map<uint32_t, std::string>> payloads(size);
         const auto t3 = std::chrono::steady_clock::now();
         if (!controller_.CanRepeat(ids)) throw std::runtime_error("no decision to repeat");
-        controller_.ProcessRepeated(ids, &payloads, true, 0);
+        controller_.ProcessRepeated(ids, &payloads, true, false, 0);
         repeat += std::chrono::duration<double>(std::chrono::steady_clock::now() - t3).count();
       }
     }

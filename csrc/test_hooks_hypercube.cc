@@ -153,6 +153,7 @@ py::bytes CachedOfferBytes(int rank, bool clean, bool outstanding, uint64_t sett
   offer.base_us = base_us;
   offer.id_space = id_space;
   offer.ids = ids;
+  offer.idle = ids.empty();
   offer.payloads = payloads;
   return py::bytes(EncodeOffer(offer));
 }
@@ -165,6 +166,7 @@ py::dict CachedVerdictDict(const std::string& combined, int size) {
   out["all_clean"] = v.all_clean;
   out["agree"] = v.agree;
   out["all_outstanding"] = v.all_outstanding;
+  out["all_idle"] = v.all_idle;
   out["clock_ms"] = v.clock_ms;
   out["base_us"] = v.base_us;
   out["ready"] = v.ready;

@@ -45,6 +45,11 @@ def test_every_rank_reads_the_verdict_computed_from_the_offers(size):
     assert verdict["ready"] == sorted(set.intersection(*sets))
     assert verdict["all_clean"] and verdict["agree"]
     assert verdict["all_outstanding"] == (size == 1)  # odd ranks offered "nothing outstanding"
+    assert not verdict["all_idle"]
+    idle = _core._cached_verdict(bytes(_core._hypercube(
+        [_core._cached_offer(r, True, False, 7, 11, 0, 0, SPACE, [], {}) for r in range(size)], 0,
+        reduce=True)[0][0][0]), size)
+    assert idle["all_idle"] and idle["ready"] == []
     assert (verdict["clock_ms"], verdict["base_us"]) == (1000, 5000)  # rank 0's
     assert [dict(p) for p in verdict["payloads"]] == payloads
     for rank, (_, error, _, _, _, peers, _) in enumerate(results):
@@ -58,6 +63,9 @@ def test_combining_is_the_same_in_either_order_and_refuses_a_rank_twice():
     assert a == _core._cached_combine(offers[1], offers[0])
     b = _core._cached_combine(offers[2], offers[3])
     assert _core._cached_combine(a, b) == _core._cached_combine(b, a)
+    # another id space (bitmaps of different lengths): the same bytes in either order too
+    other = _core._cached_offer(1, True, True, 7, 11, 0, 0, SPACE + 20, [1, SPACE + 3], {})
+    assert _core._cached_combine(offers[0], other) == _core._cached_combine(other, offers[0])
     with pytest.raises(RuntimeError, match="rank 0's payloads"):
         _core._cached_combine(offers[0], offers[0])
     with pytest.raises(RuntimeError, match="malformed"):
@@ -142,3 +150,16 @@ def test_a_repeated_decision_equals_the_full_rounds_decision(size):
     full.round([{"requests": splits}] * size)
     assert full.repeat(["a2a"]) is None
     assert full.repeat(["w"]) is not None
+
+
+def test_an_entry_that_changed_forgets_its_decision_even_when_the_new_one_fails():
+    # "x" decided as an allreduce is kept; then every rank sends "x" as an alltoall whose
+    # splits do not cover its rows: the entry now holds the alltoall and fails, and must not
+    # repeat the allreduce's decision for it.
+    size = 3
+    harness = _core._ControllerHarness(size, cache_capacity=16)
+    harness.round([{"requests": [{"name": "x", "shape": [4]}]}] * size)
+    assert harness.repeat(["x"]) is not None
+    bad = harness.round([{"requests": [{"name": "x", "kind": ALLTOALL, "shape": [size, 2], "splits": [1] * (size + 1)}]}] * size)
+    assert bad["ready"][0]["code"] != 0, bad  # failed
+    assert harness.repeat(["x"]) is None
