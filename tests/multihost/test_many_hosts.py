@@ -3,7 +3,8 @@ each (tests/multihost/forked.py), with rounds by recursive doubling from 2 ranks
 (HVDLITE_CONTROL_ALLTOALL_MAX=0, as past 16 ranks by default) and steady rounds settled by
 reduction (Note [Cached rounds] in csrc/cached_round.h). Every result is checked against a
 reference computed here; the steady loop must take cached rounds (the engine's counter); a
-mismatch is named on every rank; a rank killed mid-training is named on every other rank.
+mismatch is named on every rank; join; a tensor one rank never sends is named as a stall; a
+rank killed mid-training is named on every other rank.
 """
 
 import os
@@ -82,8 +83,14 @@ def _collectives_job(rank, size):
     except hvd.HvdliteError as e:
         mismatch = str(e)
     _step(rank, size, 12, names)
+    # join: rank r runs 2 + r steps; joined ranks count as zeros
+    for step in range(2 + rank):
+        out = hvd.allreduce(torch.ones(3), name="join.g", op=hvd.Sum)
+        alive = sum(1 for r in range(size) if step < 2 + r)
+        assert torch.equal(out, torch.full((3,), float(alive))), (rank, step, out)
+    last = hvd.join()
     hvd.shutdown()
-    return {"steady": steady, "mismatch": mismatch}
+    return {"steady": steady, "mismatch": mismatch, "last_joined": last}
 
 
 def test_collectives_on_eight_hosts_with_cached_rounds():
@@ -91,6 +98,33 @@ def test_collectives_on_eight_hosts_with_cached_rounds():
     for rank, result in enumerate(results):
         assert result["steady"] >= 10, (rank, result)
         assert result["mismatch"] and "'grad.3'" in result["mismatch"] and "rank 5" in result["mismatch"], result
+        assert result["last_joined"] == len(HOSTS) - 1, result
+
+
+def _stall_job(rank, size):
+    hvd.init()
+    names = [f"grad.{i}" for i in range(len(SHAPES))]
+    for step in range(5):
+        _step(rank, size, step, names)
+    if rank == 6:
+        time.sleep(4)  # never sends "late": the others wait, held, then in the pending table
+        return None
+    try:
+        hvd.allreduce(torch.ones(2), name="late", op=hvd.Sum)
+    except hvd.StallError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_tensor_one_host_never_sends_is_named_as_a_stall():
+    from tests.multihost.forked import run_on_hosts
+    torch.set_num_threads(1)
+    env = {**ENV, "HVDLITE_STALL_CHECK_TIME_SECONDS": "1", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    results = run_on_hosts(HOSTS, _stall_job, env=env, timeout=300)
+    for rank, message in enumerate(results):
+        if rank == 6:
+            continue
+        assert message and "'late'" in message and "missing rank 6" in message, (rank, message)
 
 
 def _killed_job(rank, size):
