@@ -1,5 +1,7 @@
 // The cached round: a negotiation round of a training loop's steady state, settled by a reduction
-// of a few words per rank instead of every rank's message. Pure functions; no locking.
+// of a few words per rank instead of every rank's message. The offer's encoding, combination and
+// verdict are pure functions; the engine's side (Engine::CachedRound and DecideCached, in
+// cached_round.cc) runs on the thread that holds the engine's round lock, like every round.
 //
 // Note [Cached rounds]
 // Past HVDLITE_CONTROL_ALLTOALL_MAX ranks every round travels by recursive doubling (Note
@@ -27,7 +29,7 @@
 // round's payloads, in id order, as the in-step path (Note [Rounds in step] in controller.h)
 // would decide every rank's cached request: a cache hit is a request equal to its entry, so
 // the decision is the same one. That costs O(ready ids) per round, not O(N x ids): 0.06 ms
-// against 1.2 s for a ResNet-50 step at 16,384 ranks (docs/performance.md). An entry without a
+// against 0.87 s for a ResNet-50 step at 16,384 ranks (docs/performance.md). An entry without a
 // decision to repeat (an alltoall: its N x N splits are not kept) is decided in full from every
 // rank's cached request. An offered id that is not ready everywhere stays with its rank and is
 // offered again next round (so the pending table, and with it the stall inspector, sees only
