@@ -345,7 +345,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
   CachedVerdict verdict;
   const bool cached = config_.cached_rounds && config_.cache_capacity > 0 && channel_.reduces() &&
                       CachedRound(&mine, &verdict, &cache_hits);
-  const int64_t exchanged_us = MonotonicMicros();
+  int64_t exchanged_us = MonotonicMicros();  // the end of this round's exchange
   const int64_t my_base_us = last_exchange_end_us_;
   if (!cached) {
     held_since_us_ = 0;  // what was held travels in this round's message
@@ -355,7 +355,7 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
       cache_hits += id >= 0;
       return id;
     }));
-    last_exchange_end_us_ = MonotonicMicros();
+    exchanged_us = MonotonicMicros();
     sent_bytes = raw[rank_].size();
     Status agreement = CheckDigests(raw);
     if (!agreement.ok()) {
@@ -367,9 +367,8 @@ bool Engine::RunRound(bool* stuck, bool* quiet) {
       Stop(shutdown);
       return false;
     }
-  } else {
-    last_exchange_end_us_ = exchanged_us;
   }
+  last_exchange_end_us_ = exchanged_us;
   const auto t1 = Clock::now();
   // The job's clock (rank 0's) now: its end of the previous exchange plus our time since ours.
   const int64_t job_base_us = cached ? verdict.base_us : messages.front().base_us;

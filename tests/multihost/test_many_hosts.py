@@ -34,10 +34,10 @@ def _need_hosts():
         pytest.skip(why)
 
 
-def _run(job, timeout=300):
+def _run(job, env=None, timeout=300):
     from tests.multihost.forked import run_on_hosts
     torch.set_num_threads(1)
-    return run_on_hosts(HOSTS, job, env=ENV, timeout=timeout)
+    return run_on_hosts(HOSTS, job, env={**ENV, **(env or {})}, timeout=timeout)
 
 
 def _step(rank, size, step, names):
@@ -117,10 +117,7 @@ def _stall_job(rank, size):
 
 
 def test_a_tensor_one_host_never_sends_is_named_as_a_stall():
-    from tests.multihost.forked import run_on_hosts
-    torch.set_num_threads(1)
-    env = {**ENV, "HVDLITE_STALL_CHECK_TIME_SECONDS": "1", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
-    results = run_on_hosts(HOSTS, _stall_job, env=env, timeout=300)
+    results = _run(_stall_job, env={"HVDLITE_STALL_CHECK_TIME_SECONDS": "1", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "2"})
     for rank, message in enumerate(results):
         if rank == 6:
             continue
