@@ -419,6 +419,7 @@ PYBIND11_MODULE(_core, m) {
 
   DefineTestHooks(m);
   m.def("_parse_config", &ParseConfig);
+  m.def("control_peers", &ControlChannel::Peers, py::arg("rank"), py::arg("size"), py::arg("alltoall_max"));
   // Note [Engine behind a process group] (torch_backend.h): the c10d::Backend over `engine`.
   m.def(
       "torch_backend",

@@ -35,6 +35,14 @@ ControlChannel::ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int 
   if (shm_ == nullptr && by_alltoall_) Resize();
 }
 
+std::vector<int> ControlChannel::Peers(int rank, int size, int64_t alltoall_max) {
+  if (size > alltoall_max) return Hypercube(nullptr, rank, size).Peers();
+  std::vector<int> peers;
+  for (int r = 0; r < size; ++r)
+    if (r != rank) peers.push_back(r);
+  return peers;
+}
+
 void ControlChannel::Resize() {
   slot_bytes_ = sizer_.slot();
   slot_now_ = slot_bytes_;

@@ -79,6 +79,10 @@ class ControlChannel {
   ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int rank, int size, int64_t alltoall_max);
   // Every rank calls this once per round; returns every rank's bytes, indexed by rank.
   std::vector<std::string> Exchange(const std::string& mine);
+  // The ranks whose connections a channel over `backend` (no shared memory) uses, for `rank`:
+  // every other rank by alltoall, its partners by hypercube. init() reads their addresses in
+  // one store request (Note [Group addresses in two requests], hvdlite/_runtime/group_store.py).
+  static std::vector<int> Peers(int rank, int size, int64_t alltoall_max);
   // Note [Cached rounds] (cached_round.h): whether this channel can combine every rank's bytes
   // by reduction (recursive doubling, without shared memory), and the reduction itself.
   bool reduces() const { return shm_ == nullptr && !by_alltoall_; }

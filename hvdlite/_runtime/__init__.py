@@ -7,6 +7,7 @@ import these as ``_state``, ``_groups``, ... .
 - ``native``: imports the extension hvdlite._core once, after torch.
 - ``checks``: the collectives' argument checks and the reduce-op vocabulary.
 - ``groups``: an engine's process groups and shared-memory channel (start_engine).
+- ``group_store``: the store the Gloo groups rendezvous through, in two requests.
 - ``settings``: the build check and the job-wide settings every rank agrees on.
 - ``liveness``: every rank's record, and naming a lost peer (Note [Failure census]).
 - ``failure``: a rank's failure report (Note [Failure reports]).

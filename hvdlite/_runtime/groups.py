@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import liveness as _liveness
 from . import recorder as _recorder
+from .group_store import GroupStore, broadcast_peers, ring_peers
 from .native import _core
 from .._job.launchers import is_elastic_worker
 from ..exceptions import RankFailureError
@@ -38,8 +39,9 @@ def _gloo_devices(loopback):
 
     Note [Connections on first use]
     Every device is lazy: a Gloo group publishes one address at creation and connects a pair
-    of ranks the first time they exchange, instead of a connection to every peer (and two
-    store requests per peer) up front. The paths training uses touch few peers: the control
+    of ranks the first time they exchange, instead of a connection to every peer up front
+    (the addresses travel in two store requests whatever N: Note [Group addresses in two
+    requests] in group_store.py). The paths training uses touch few peers: the control
     plane every peer up to HVDLITE_CONTROL_ALLTOALL_MAX ranks (16) and log2(N) + 1 beyond (Note
     [Control exchange by hypercube] in csrc/hypercube.h), Gloo's ring allreduce and allgather
     two; an alltoall connects every pair it needs when a
@@ -62,10 +64,15 @@ def _gloo_devices(loopback):
     """
     if loopback:
         return [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=True)]
-    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    names = _interfaces()
     if names:
         return [dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True) for name in names]
     return [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+
+
+def _interfaces():
+    """GLOO_SOCKET_IFNAME's interfaces: a Gloo group has a device for each (one at least)."""
+    return [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
 
 
 def _timeout():
@@ -132,16 +139,20 @@ def _channel_timeout(options):
     return min(seconds, stall) if stall > 0 else seconds
 
 
-def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0):
+def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0, probe=False):
     """One shared-memory segment among `count` processes on this host (this one is `index`;
     `ranks` name them in messages): index 0 creates it and publishes its name under `key`,
     each maps it and answers under `key/<index>`, and once all have answered index 0 unlinks
     the name (the mappings stay), so nothing is left in /dev/shm whatever happens next.
-    Returns the channel if every one of them mapped it, else None (the same on each)."""
+    Returns (channel, words): the channel if every one of them mapped it, else None (the same
+    on each), and with `probe` every member's single-copy probe word ("address:value", Note
+    [Single-copy allreduce]), read in the same request as the answers."""
     if index == 0:
         name = f"/hvdlite.{os.getpid()}.{secrets.token_hex(6)}"
-        store.set(key, "" if _core.ShmChannel.create(name, count, chunk_bytes) else name)
-    name = store.get(key).decode()  # get and multi_get wait for the key, on every store
+        name = "" if _core.ShmChannel.create(name, count, chunk_bytes) else name
+        store.set(key, name)
+    else:
+        name = store.get(key).decode()  # get and multi_get wait for the key, on every store
     channel = None
     # The channel watches its peers by pid (Note [Shared-memory allreduce]): processes that share
     # /dev/shm and a host name but not a pid namespace (two containers of one pod, say) must
@@ -151,25 +162,28 @@ def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0)
             channel = _core.ShmChannel(name, index, count, ranks, pids, _channel_timeout(options or {}), chunk_bytes)
         except RuntimeError:
             channel = None
-    store.set(f"{key}/{index}", "1" if channel is not None else "0")
-    agreed = all(v == b"1" for v in store.multi_get([f"{key}/{i}" for i in range(count)]))
+    answer = "0"
+    if channel is not None:
+        answer = "1 {}:{}".format(*channel.probe_word()) if probe else "1"
+    store.set(f"{key}/{index}", answer)
+    answers = [v.decode() for v in store.multi_get([f"{key}/{i}" for i in range(count)])]
     if index == 0 and name:
         _core.ShmChannel.unlink(name)
-    return channel if agreed else None
+    if not all(a.startswith("1") for a in answers):
+        return None, None
+    return channel, [a.partition(" ")[2] for a in answers]
 
 
-def _single_copy(store, key, index, count, pids, channel):
+def _single_copy(store, key, index, count, pids, channel, words):
     """Note [Single-copy allreduce] (csrc/shm_channel.h): on for every member of `channel` when
     each can read and write every other's memory through process_vm_readv/writev, else for
-    none. Each publishes the address of its probe word, then tries every peer's."""
-    address, value = channel.probe_word()
-    store.set(f"{key}/cma/{index}", f"{address}:{value}")
-    words = [f"{key}/cma/{i}" for i in range(count)]
+    none. Each has published the address of its probe word (`words`, by index); each tries
+    every peer's."""
     # HVDLITE_TEST_REFUSE_SINGLE_COPY: a test hook (per rank), as if the kernel refused this one
     mine = os.environ.get("HVDLITE_TEST_REFUSE_SINGLE_COPY") != "1"
-    for i, word in enumerate(store.multi_get(words)):
+    for i, word in enumerate(words):
         if i != index:
-            peer_address, peer_value = (int(part) for part in word.decode().split(":"))
+            peer_address, peer_value = (int(part) for part in word.split(":"))
             mine = mine and _core.ShmChannel.can_reach(pids[i], peer_address, peer_value)
     if _agree(store, f"{key}/cma/ok", index, count, mine):
         channel.enable_single_copy()
@@ -181,7 +195,27 @@ def _agree(store, key, rank, size, mine):
     return all(v == b"1" for v in store.multi_get([f"{key}/{r}" for r in range(size)]))
 
 
-def _local_paths(store, base, rank, size, options, members, loopback):
+def _first_addresses(base, rank, size, options, plan, members, loopback):
+    """Note [Group addresses in two requests]: the store keys of the Gloo addresses this rank
+    reads before init() returns (Note [Connections on first use]): the control plane's
+    partners, unless shared memory carries it; every CPU channel's ring neighbours and the
+    first channel's broadcast tree from rank 0; the group of first ranks' ring."""
+    devices = range(1 if loopback else max(1, len(_interfaces())))
+    wanted = []  # (group key prefix, peers)
+    if plan.shm is None or plan.route == "hierarchical":
+        wanted.append((base + "control", _core.control_peers(rank, size, options["control_alltoall_max"])))
+    for i in range(plan.cpu_channels):
+        peers = set(ring_peers(rank, size))
+        if i == 0:
+            peers.update(broadcast_peers(rank, size))
+        wanted.append((f"{base}cpu{i}", sorted(peers)))
+    if plan.cross is not None:
+        hosts = list(dict.fromkeys(m["host"] for m in members))
+        wanted.append((base + "cross", ring_peers(hosts.index(members[rank]["host"]), len(hosts))))
+    return [f"{prefix}/{d}/{peer}" for prefix, peers in wanted for peer in peers for d in devices]
+
+
+def _local_paths(store, addresses, base, rank, size, options, members, loopback):
     """What carries this engine's CPU allreduces besides Gloo: (shm, cross, hierarchical).
 
     Note [Shared-memory allreduce]: every rank of the engine on this host -> one segment for all.
@@ -195,9 +229,10 @@ def _local_paths(store, base, rank, size, options, members, loopback):
     hosts = list(dict.fromkeys(m["host"] for m in members))
     if len(hosts) == 1:
         pids = [m["pid"] for m in members]
-        channel = _segment(store, f"{base}shm", rank, size, list(range(size)), pids, options)
+        channel, words = _segment(store, f"{base}shm", rank, size, list(range(size)), pids, options,
+                                  probe=options["single_copy"])
         if channel is not None and options["single_copy"]:
-            _single_copy(store, f"{base}shm", rank, size, pids, channel)
+            _single_copy(store, f"{base}shm", rank, size, pids, channel, words)
         return channel, None, False
     if not options["hierarchical_allreduce"]:
         return None, None, False
@@ -205,13 +240,13 @@ def _local_paths(store, base, rank, size, options, members, loopback):
     local = [r for r, m in enumerate(members) if m["host"] == hosts[host]]
     channel = None
     if len(local) > 1:
-        channel = _segment(store, f"{base}shm.h{host}", local.index(rank), len(local), local,
-                           [members[r]["pid"] for r in local], options, _core.ShmChannel.HIERARCHICAL_CHUNK)
+        channel, _ = _segment(store, f"{base}shm.h{host}", local.index(rank), len(local), local,
+                              [members[r]["pid"] for r in local], options, _core.ShmChannel.HIERARCHICAL_CHUNK)
     if not _agree(store, f"{base}hierarchical", rank, size, len(local) == 1 or channel is not None):
         return None, None, False
     cross = None
     if local[0] == rank:  # the host's first rank joins the group of first ranks
-        cross = _gloo_group(dist.PrefixStore(base + "cross", store), host, len(hosts), loopback)
+        cross = _gloo_group(dist.PrefixStore(base + "cross", addresses), host, len(hosts), loopback)
     return channel, cross, True
 
 
@@ -277,12 +312,15 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
     settings = timeline_for(settings, timeline_label)
     base = f"{prefix}{tag}/"
     options = _core._parse_config(settings)
+    addresses = GroupStore(store)  # Note [Group addresses in two requests]
     try:
-        control = _gloo_group(dist.PrefixStore(base + "control", store), rank, size, loopback)
-        plan = _plan(options, *_local_paths(store, base, rank, size, options, members, loopback))
-        cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", store), rank, size, loopback)
+        control = _gloo_group(dist.PrefixStore(base + "control", addresses), rank, size, loopback)
+        plan = _plan(options, *_local_paths(store, addresses, base, rank, size, options, members, loopback))
+        cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", addresses), rank, size, loopback)
                for i in range(plan.cpu_channels)]
         cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
+        addresses.publish()
+        addresses.prefetch(_first_addresses(base, rank, size, options, plan, members, loopback))
         _connect_data(cpu, plan.cross)
     except RuntimeError as exc:
         hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
@@ -297,4 +335,5 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
     engine.set_label(timeline_label or tag, tag == "global")
     if not _recorder.enabled():  # HVDLITE_FLIGHT_RECORDER=0 (Note [Dump files] in recorder.py)
         engine.set_recording(False)
+    addresses.forget()  # the pairs read are connected; later ones read the store
     return engine, EngineGroups(control, cpu, cuda, plan.cross)

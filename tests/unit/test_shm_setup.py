@@ -15,13 +15,15 @@ def _segments():
 
 def test_a_segment_is_mapped_and_its_name_unlinked():
     before = _segments()
-    channel = _groups._segment(dist.HashStore(), "t/shm", 0, 1, [0], [os.getpid()])
+    channel, words = _groups._segment(dist.HashStore(), "t/shm", 0, 1, [0], [os.getpid()], probe=True)
     assert channel is not None
+    address, value = channel.probe_word()
+    assert words == [f"{address}:{value}"]
     assert _segments() == before
 
 
 def test_a_member_whose_pid_is_not_visible_here_turns_the_channel_off():
     invisible = 2 ** 22 + 12345  # above PID_MAX_LIMIT: no process anywhere has this pid
     before = _segments()
-    assert _groups._segment(dist.HashStore(), "t/shm", 0, 1, [0], [invisible]) is None
+    assert _groups._segment(dist.HashStore(), "t/shm", 0, 1, [0], [invisible]) == (None, None)
     assert _segments() == before
