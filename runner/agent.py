@@ -5,8 +5,12 @@ Starting each remote rank through its own ssh made a job of 1,024 ranks on 32 ho
 ssh connections (and as many sshd sessions and shell wrappers on the hosts). Now the launcher
 opens one ssh per host, which runs this agent; everything else travels as frames over that
 connection: the launcher sends START (a rank's argv, environment and folder) and SIGNAL (a
-signal for one of the host's ranks), and the agent answers FAILED (it could not start it),
-OUTPUT (one whole line of a rank's stdout or stderr, as it came) and EXIT (its exit status). The agent watches its ranks with the launcher's own I/O loop
+signal for one of the host's ranks), and the agent answers STARTED (the rank's pid), FAILED
+(it could not start it), OUTPUT (one whole line of a rank's stdout or stderr, as it came) and
+EXIT (its exit status). The launcher's own host has an agent too, started as a plain child
+over two pipes: a rank started directly cost the launcher two pipes (and, once they ended, a
+pidfd) per rank, 3,082 descriptors at 1,024 local ranks; through the agent it costs none
+beyond the rank's store connection. The agent watches its ranks with the launcher's own I/O loop
 (io_loop.py), so a rank's lines are sent before its exit. Each rank runs in a session of its
 own, and dies with the agent (PR_SET_PDEATHSIG, Note [Launcher death] in workers.py).
 When the connection ends (the launcher closed it, ssh died with the launcher, the link broke),
@@ -16,8 +20,9 @@ wrapper of Note [Stopping remote ranks] did for one rank. The launcher reports e
 host whose agent's connection ended as lost with ssh's status (errors.SSH_LOST).
 
 A frame is a 4-byte big-endian length, then a kind byte, a 4-byte rank, and the kind's body:
-START and SIGNAL carry JSON, OUTPUT a stream byte (1 stdout, 2 stderr) and the line, EXIT a
-4-byte signed status, FAILED the reason as text. No torch.
+START and SIGNAL carry JSON (a local START says "whole_env": its environment replaces the
+agent's instead of adding to it), STARTED a 4-byte pid, OUTPUT a stream byte (1 stdout, 2
+stderr) and the line, EXIT a 4-byte signed status, FAILED the reason as text. No torch.
 """
 import json
 import os
@@ -29,7 +34,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional
 
-START, SIGNAL, FAILED, OUTPUT, EXIT = b"S", b"G", b"F", b"O", b"X"
+START, SIGNAL, FAILED, STARTED, OUTPUT, EXIT = b"S", b"G", b"F", b"P", b"O", b"X"
 STDOUT, STDERR = 1, 2
 MAX_FRAME = 1 << 26
 _HEAD = struct.Struct(">IcI")  # length (of what follows it), kind, rank
@@ -98,7 +103,8 @@ class _Agent:
     def start(self, rank: int, spec: dict) -> None:
         from .lifetime import stop_with_parent
         try:
-            process = subprocess.Popen(spec["argv"], env={**os.environ, **spec["env"]}, cwd=spec["cwd"],
+            env = spec["env"] if spec.get("whole_env") else {**os.environ, **spec["env"]}
+            process = subprocess.Popen(spec["argv"], env=env, cwd=spec["cwd"],
                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        start_new_session=True, preexec_fn=stop_with_parent)
         except OSError as exc:
@@ -106,6 +112,7 @@ class _Agent:
             return
         with self.lock:
             self.running[rank] = process
+        self.send(encode(STARTED, rank, _INT.pack(process.pid)))
         for pipe, stream in ((process.stdout, STDOUT), (process.stderr, STDERR)):
             tag = bytes([stream])
             self.loop.watch_pipe(pipe, lambda line, t=tag: self.send(encode(OUTPUT, rank, t + line)), lambda: None)

@@ -1,6 +1,7 @@
-"""The launcher's side of Note [One agent per host] (agent.py): one ssh per remote host.
+"""The launcher's side of Note [One agent per host] (agent.py): one ssh per remote host, and
+one plain child for the launcher's own host.
 
-A HostAgent starts `python -m hvdlite.runner.agent` on its host over ssh, sends it the host's
+A HostAgent starts `python -m hvdlite.runner.agent` on its host over ssh (or here), sends it the host's
 ranks to start and the signals for them, and turns what the agent answers into what a local
 rank's pipes and exit would have given the launcher: prefixed lines through the output mux,
 and (rank, status) exits on the worker group's queue, with every rank still running reported
@@ -13,10 +14,10 @@ import shlex
 import subprocess
 import sys
 import threading
-from typing import Callable, Dict, Mapping, Sequence, Set, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
 
-from .agent import (EXIT, FAILED, OUTPUT, SIGNAL, START, STDERR, STDOUT, FrameReader, decode, encode,
-                    unpack_int)
+from .agent import (EXIT, FAILED, OUTPUT, SIGNAL, START, STARTED, STDERR, STDOUT, FrameReader, decode,
+                    encode, unpack_int)
 from .config import SshOptions
 from .environment import exportable
 from .errors import SSH_LOST
@@ -32,22 +33,32 @@ def agent_command(host: str, env: Mapping[str, str], cwd: str, options: SshOptio
 
 
 class HostAgent:
-    def __init__(self, host: str, cwd: str, options: SshOptions, grace: float, mux: OutputMux,
+    """`options` None: the agent of the launcher's own host, a plain child (no ssh)."""
+
+    def __init__(self, host: str, cwd: str, options: Optional[SshOptions], grace: float, mux: OutputMux,
                  exits: "queue.Queue[Tuple[int, int]]", preexec: Callable[[], None]) -> None:
         self.host = host
+        self.local = options is None
         self._mux, self._exits = mux, exits
         self._lock = threading.Lock()        # the tables below; never held while writing
         self._write_lock = threading.Lock()  # the connection's stdin (writes may block)
         self._running: Set[int] = set()   # started here and not yet exited
         self._sinks: Dict[Tuple[int, int], Tuple[Callable, Callable]] = {}
+        self.pids: Dict[int, int] = {}    # by rank, as the agent reported them
         self._ended = False
-        # The launcher's environment goes along, as it does to the discovery task (PATH,
-        # PYTHONPATH...); the ranks' own variables travel in START frames.
-        env = {**exportable({k: v for k, v in os.environ.items() if not k.startswith("HVDLITE_")}),
-               "HVDLITE_AGENT_GRACE": f"{grace:g}"}
-        self.process = subprocess.Popen(agent_command(host, env, cwd, options), stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True, preexec_fn=preexec)
+        if self.local:  # each rank's whole environment travels in its START frame
+            argv = [sys.executable, "-m", "hvdlite.runner.agent"]
+            self.process = subprocess.Popen(argv, env={**os.environ, "HVDLITE_AGENT_GRACE": f"{grace:g}"},
+                                            cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=preexec)
+        else:
+            # The launcher's environment goes along, as it does to the discovery task (PATH,
+            # PYTHONPATH...); the ranks' own variables travel in START frames.
+            env = {**exportable({k: v for k, v in os.environ.items() if not k.startswith("HVDLITE_")}),
+                   "HVDLITE_AGENT_GRACE": f"{grace:g}"}
+            self.process = subprocess.Popen(agent_command(host, env, cwd, options), stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            start_new_session=True, preexec_fn=preexec)
         mux.loop.watch_frames(self.process.stdout, FrameReader(self._frame), self._end)
         mux.loop.watch_pipe(self.process.stderr, self._agent_error, lambda: None)
 
@@ -66,7 +77,7 @@ class HostAgent:
         if ended:  # the connection ended since the group looked: lost with it
             self._exits.put((rank, SSH_LOST))
             return
-        spec = {"argv": list(command), "env": dict(env), "cwd": cwd}
+        spec = {"argv": list(command), "env": dict(env), "cwd": cwd, "whole_env": self.local}
         self._send(encode(START, rank, json.dumps(spec).encode()))
 
     def signal(self, rank: int, sig: int) -> None:
@@ -96,6 +107,9 @@ class HostAgent:
             sink = self._sinks.get((rank, body[0]))
             if sink is not None:
                 sink[0](body[1:])
+        elif kind == STARTED:
+            with self._lock:
+                self.pids[rank] = unpack_int(body)
         elif kind == EXIT:
             self._exited(rank, unpack_int(body))
         elif kind == FAILED:
@@ -124,5 +138,6 @@ class HostAgent:
             self._exited(rank, SSH_LOST)
 
     def _agent_error(self, raw: bytes) -> None:
-        self._mux.write_line(f"hvdliterun: ssh {self.host}: {raw.decode(errors='replace').rstrip()}\n")
+        where = "agent" if self.local else f"ssh {self.host}"
+        self._mux.write_line(f"hvdliterun: {where}: {raw.decode(errors='replace').rstrip()}\n")
 

@@ -174,7 +174,7 @@ def _watch(config: JobConfig, group: WorkerGroup, server: RendezvousServer,
                 result.lost_contact = server.lost_contact(rank)
                 # Note [Root cause] (errors.py): what the ranks said about their own failures.
                 result.failures = server.failure_records()
-                result.pids = {w.slot.rank: w.process.pid for w in group.workers() if not w.remote}
+                result.pids = group.pids()
                 return
         if start_deadline is not None and time.monotonic() >= start_deadline:
             start_deadline = None  # checked once; see Note [Start timeout]

@@ -9,9 +9,9 @@ Every rank starts in a new session, hence its own process group: signals sent by
 to the launcher do not hit the ranks directly, and stopping a rank signals its whole group, so
 helper processes it started go too.
 
-Remote ranks are started, signalled and stopped by their host's agent, over the host's one ssh
-connection (Note [One agent per host] in agent.py), which stops them itself when the connection
-ends. The one-off commands the launcher runs over ssh (network discovery's tasks) go through
+Every rank is started, signalled and stopped by its host's agent (Note [One agent per host] in
+agent.py): a remote host's over the host's one ssh connection, the launcher's own host's over
+two pipes to a plain child; an agent stops its ranks itself when its connection ends. The one-off commands the launcher runs over ssh (network discovery's tasks) go through
 the wrapper below.
 
 Note [Stopping remote ranks]
@@ -35,6 +35,7 @@ client closes its connection, and the host's agent then stops its ranks (Note [O
 host] in agent.py), as the remote wrapper stops a discovery task (Note [Stopping remote
 ranks]).
 """
+import errno
 import os
 import queue
 import shlex
@@ -77,13 +78,29 @@ def ssh_command(host: str, command: Sequence[str], env: Mapping[str, str], cwd: 
     return options.client_argv(host) + [remote]
 
 
+def _check_runnable(program: str, env: Mapping[str, str], cwd: str) -> None:
+    """The OSError that starting `program` in `cwd` with `env`'s PATH would raise, raised here:
+    the agent starts local ranks, and the launcher still reports a program it cannot run as
+    one line before any rank starts, as when it started them itself."""
+    if not os.path.isdir(cwd):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cwd)
+    if os.sep in program:
+        candidates = [os.path.join(cwd, program)]
+    else:
+        candidates = [os.path.join(cwd, d, program) for d in env.get("PATH", os.defpath).split(os.pathsep)]
+    if any(os.path.isfile(c) and os.access(c, os.X_OK) for c in candidates):
+        return
+    if any(os.path.exists(c) for c in candidates):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+
+
 @dataclass
 class Worker:
     slot: SlotInfo
-    process: Optional[subprocess.Popen]  # None for a rank its host's agent runs
+    agent: HostAgent  # the agent that runs it (Note [One agent per host] in agent.py)
     remote: bool
     returncode: Optional[int] = None
-    agent: "Optional[HostAgent]" = None  # the agent that runs it (Note [One agent per host])
 
 
 class WorkerGroup:
@@ -99,32 +116,33 @@ class WorkerGroup:
     # -- starting
     def start_local(self, slot: SlotInfo, command: Sequence[str], env: Mapping[str, str],
                     cwd: str) -> None:
-        process = subprocess.Popen(list(command), env=dict(env), cwd=cwd,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True,
-                                   preexec_fn=stop_with_parent)
-        self._track(Worker(slot, process, remote=False))
+        """Starts the rank through this host's agent (Note [One agent per host] in agent.py);
+        raises OSError, before anything starts, for a program that could not run here."""
+        _check_runnable(command[0], env, cwd)
+        self._start(slot, None, command, env, cwd, None)
 
     def start_remote(self, slot: SlotInfo, command: Sequence[str], env: Mapping[str, str],
                      cwd: str, options: SshOptions) -> None:
         """Starts the rank through its host's agent, opening the host's one ssh connection
         first if it has none (Note [One agent per host] in agent.py)."""
-        agent = self._agents.get(slot.hostname)
+        self._start(slot, slot.hostname, command, env, cwd, options)
+
+    def _start(self, slot, key, command, env, cwd, options) -> None:
+        agent = self._agents.get(key)
         if agent is None or not agent.alive:
             agent = HostAgent(slot.hostname, cwd, options, self._grace, self._mux, self._exits, stop_with_parent)
-            self._agents[slot.hostname] = agent
+            self._agents[key] = agent
         agent.start(slot.rank, command, env, cwd)
-        self._workers[slot.rank] = Worker(slot, None, remote=True, agent=agent)
+        self._workers[slot.rank] = Worker(slot, agent, remote=options is not None)
 
     def ssh_connections(self) -> int:
         """The ssh connections this group has opened (one per remote host it started ranks on)."""
-        return len(self._agents)
+        return sum(not agent.local for agent in self._agents.values())
 
-    def _track(self, worker: Worker) -> None:
-        rank = worker.slot.rank
-        self._workers[rank] = worker
-        self._mux.attach(rank, worker.process.stdout, worker.process.stderr)
-        self._mux.loop.watch_exit(worker.process, lambda code: self._exits.put((rank, code)))
+    def pids(self) -> Dict[int, int]:
+        """The local ranks' process ids, as this host's agent reported them."""
+        local = self._agents.get(None)
+        return dict(local.pids) if local is not None else {}
 
     # -- watching
     def running(self) -> List[int]:
@@ -147,13 +165,7 @@ class WorkerGroup:
 
     # -- stopping
     def _signal(self, worker: Worker, sig: int) -> None:
-        if worker.agent is not None:
-            worker.agent.signal(worker.slot.rank, sig)
-            return
-        try:
-            os.killpg(worker.process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        worker.agent.signal(worker.slot.rank, sig)
 
     def kill(self, rank: int) -> None:
         """SIGKILL one rank (and its process group); its exit arrives through next_exit."""
