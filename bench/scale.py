@@ -13,7 +13,9 @@ same job, as ratios.
 
 Per K, each rank reports, and the table prints the slowest rank's (times: median over
 interleaved blocks, each block timed on every rank and its slowest rank taken):
-  - hvd.init(), and torch.distributed's Gloo init_process_group, timed in the same job;
+  - hvd.init(), and torch.distributed's Gloo init_process_group, timed in the same job, each
+    from a barrier in the store (so neither counts ranks still being started) and each making
+    its own client of the job's store, as both do under torchrun;
   - a 4-byte allreduce, and 1 MiB, hvdlite and Gloo;
   - a step of 161 one-element tensors (ResNet-50's gradient count, so the round carries 161
     cached requests and their inlined values), hvdlite's allreduce_async_ and synchronize (averages) as
@@ -35,6 +37,7 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import hvdlite as hvd  # noqa: E402
+import hvdlite.basics  # noqa: E402,F401  (imported once here: init() is timed, not the import)
 from hvdlite._runtime import state as _state  # noqa: E402
 from tests.multihost.forked import run_on_hosts  # noqa: E402
 from tests.multihost.hosts import unavailable  # noqa: E402
@@ -66,7 +69,18 @@ def blocks(methods, per_block):
     return times
 
 
+def store_barrier(store, key, size):
+    """Every rank past this point before any goes on: a count in the store, and the last one in
+    opens a gate the others wait for."""
+    if store.add(f"{key}/count", 1) == size:
+        store.set(f"{key}/gate", "open")
+    store.wait([f"{key}/gate"])
+
+
 def rank_job(rank, size):
+    # both inits start from a barrier, so neither is charged for ranks still being forked
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False)
+    store_barrier(store, "bench-start", size)
     start = time.perf_counter()
     hvd.init()
     hvd_init = time.perf_counter() - start
@@ -86,9 +100,12 @@ def rank_job(rank, size):
         hvd_step()
     mine = per_rank_counts()
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False)
+    store_barrier(store, "bench-gloo-start", size)
     start = time.perf_counter()
-    dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", store), rank=rank, world_size=size)
+    # its own client of the job's store, as init_process_group("gloo") makes under torchrun and
+    # as hvd.init() made above
+    gloo_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", gloo_store), rank=rank, world_size=size)
     gloo_init = time.perf_counter() - start
 
     def gloo_step():

@@ -52,9 +52,9 @@ def _gloo_devices(loopback):
     closes its connections, which fails at once whoever waits on it, but a rank still trying to
     reach a dead peer it never connected to waits for the process-group timeout. So each
     engine connects the pairs its regular paths use before init() returns: the control
-    plane's partners (one exchange, in MakeEngine), each CPU channel's ring neighbours (one
-    allreduce; Gloo's allgather uses the same ring) and the first channel's broadcast from rank
-    0 (_connect_data below). What else a job calls (a broadcast from another root, an alltoall)
+    plane's partners (one exchange, in MakeEngine), each CPU channel's ring neighbours (Gloo's
+    ring allreduce and allgather) and the first channel's broadcast tree from rank 0, by a word
+    each way with each of them at once (_data_peers and _connect_data below). What else a job calls (a broadcast from another root, an alltoall)
     connects its pairs on first use.
 
     GLOO_SOCKET_IFNAME (hvdliterun sets it from network discovery, Note [Network discovery] in
@@ -100,11 +100,35 @@ def _gloo_group(store, rank, size, loopback):
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-def _connect_data(cpu, cross):
-    """Note [Connections on first use]: the pairs the data paths use, connected now."""
-    works = [group.allreduce([torch.zeros(1)]) for group in cpu + ([cross] if cross is not None else [])]
-    works.append(cpu[0].broadcast([torch.zeros(1)], dist.BroadcastOptions()))
-    for work in works:  # the groups connect at the same time, each on its own threads
+def _data_peers(rank, size, plan, members):
+    """{group: peers} of the pairs the data paths use (Note [Connections on first use]), by
+    the group's key suffix: every CPU channel's ring neighbours (Gloo's ring allreduce and
+    allgather), the first channel's broadcast tree from rank 0, the group of first ranks' ring.
+    Each relation is symmetric: a rank is its peers' peer."""
+    peers = {}
+    for i in range(plan.cpu_channels):
+        mine = set(ring_peers(rank, size))
+        if i == 0:
+            mine.update(broadcast_peers(rank, size))
+        peers[f"cpu{i}"] = sorted(mine)
+    if plan.cross is not None:
+        hosts = list(dict.fromkeys(m["host"] for m in members))
+        peers["cross"] = ring_peers(hosts.index(members[rank]["host"]), len(hosts))
+    return peers
+
+
+def _connect_data(groups, peers):
+    """Note [Connections on first use]: the pairs the data paths use, connected now, every one
+    at once: a word each way with each peer (both ends send and receive, so the order of
+    connecting does not matter). A collective would connect the same pairs, but in its own
+    steps: a ring allreduce's 2(N - 1) of them in turn."""
+    works, words = [], []
+    for name, group in groups.items():
+        for peer in peers.get(name, ()):
+            out, into = torch.zeros(1), torch.zeros(1)
+            words += [out, into]
+            works += [group.send([out], peer, 0), group.recv([into], peer, 0)]
+    for work in works:
         work.wait()
 
 
@@ -201,18 +225,10 @@ def _first_addresses(base, rank, size, options, plan, members, loopback):
     partners, unless shared memory carries it; every CPU channel's ring neighbours and the
     first channel's broadcast tree from rank 0; the group of first ranks' ring."""
     devices = range(1 if loopback else max(1, len(_interfaces())))
-    wanted = []  # (group key prefix, peers)
+    wanted = dict(_data_peers(rank, size, plan, members))
     if plan.shm is None or plan.route == "hierarchical":
-        wanted.append((base + "control", _core.control_peers(rank, size, options["control_alltoall_max"])))
-    for i in range(plan.cpu_channels):
-        peers = set(ring_peers(rank, size))
-        if i == 0:
-            peers.update(broadcast_peers(rank, size))
-        wanted.append((f"{base}cpu{i}", sorted(peers)))
-    if plan.cross is not None:
-        hosts = list(dict.fromkeys(m["host"] for m in members))
-        wanted.append((base + "cross", ring_peers(hosts.index(members[rank]["host"]), len(hosts))))
-    return [f"{prefix}/{d}/{peer}" for prefix, peers in wanted for peer in peers for d in devices]
+        wanted["control"] = _core.control_peers(rank, size, options["control_alltoall_max"])
+    return [f"{base}{name}/{d}/{peer}" for name, peers in wanted.items() for peer in peers for d in devices]
 
 
 def _local_paths(store, addresses, base, rank, size, options, members, loopback):
@@ -321,7 +337,8 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
         cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
         addresses.publish()
         addresses.prefetch(_first_addresses(base, rank, size, options, plan, members, loopback))
-        _connect_data(cpu, plan.cross)
+        _connect_data({**{f"cpu{i}": group for i, group in enumerate(cpu)}, "cross": plan.cross},
+                      _data_peers(rank, size, plan, members))
     except RuntimeError as exc:
         hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
                 "other (hvdliterun finds one by itself)" if not loopback else "")
