@@ -423,8 +423,18 @@ PYBIND11_MODULE(_core, m) {
   // Note [Engine behind a process group] (torch_backend.h): the c10d::Backend over `engine`.
   m.def(
       "torch_backend",
-      [](std::shared_ptr<Engine> engine) -> c10::intrusive_ptr<c10d::Backend> {
-        return c10::make_intrusive<TorchBackend>(std::move(engine));
+      [](std::shared_ptr<Engine> engine, std::optional<c10::intrusive_ptr<c10d::Backend>> link,
+         double timeout_s) -> c10::intrusive_ptr<c10d::Backend> {
+        return c10::make_intrusive<TorchBackend>(
+            std::move(engine), link ? *link : c10::intrusive_ptr<c10d::Backend>(),
+            std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)));
       },
-      py::arg("engine"));
+      py::arg("engine"), py::arg("link") = py::none(), py::arg("timeout_s") = 1800.0);
+  m.def(
+      "pending_point_to_point",
+      [](c10::intrusive_ptr<c10d::Backend> backend) {
+        auto* ours = dynamic_cast<TorchBackend*>(backend.get());
+        return ours == nullptr ? std::vector<std::string>{} : ours->pendingPointToPoint();
+      },
+      py::arg("backend"), py::call_guard<py::gil_scoped_release>());
 }

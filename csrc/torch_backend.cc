@@ -79,32 +79,14 @@ bool TorchWork::wait(std::chrono::milliseconds timeout) {
   // caller blocks here: the engine may spin for it.
   if (!future_->completed()) {
     engine_->AddWaiter();
-    if (timeout.count() <= 0) {  // kNoTimeout or kUnsetTimeout
-      future_->wait();
-    } else {
-      struct Signal {
-        std::mutex mu;
-        std::condition_variable cv;
-        bool done = false;
-      };
-      auto signal = std::make_shared<Signal>();
-      future_->addCallback([signal](c10::ivalue::Future&) {
-        std::lock_guard<std::mutex> lock(signal->mu);
-        signal->done = true;
-        signal->cv.notify_all();
-      });
-      std::unique_lock<std::mutex> lock(signal->mu);
-      const bool done = signal->cv.wait_for(lock, timeout, [&] { return signal->done; });
-      lock.unlock();
-      if (!done) {
-        engine_->RemoveWaiter();
-        C10_THROW_ERROR(DistBackendError, "hvdlite backend: " + what_ + " did not complete within " +
-                                              std::to_string(timeout.count()) +
-                                              " ms (the wait's timeout); the engine's stall check names the "
-                                              "ranks that have not submitted it");
-      }
-    }
+    const bool done = WaitFutureFor(future_, timeout);
     engine_->RemoveWaiter();
+    if (!done) {
+      C10_THROW_ERROR(DistBackendError, "hvdlite backend: " + what_ + " did not complete within " +
+                                            std::to_string(timeout.count()) +
+                                            " ms (the wait's timeout); the engine's stall check names the "
+                                            "ranks that have not submitted it");
+    }
   }
   if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
   return true;
@@ -116,8 +98,10 @@ std::vector<at::Tensor> TorchWork::result() {
   return future_->value().toTensorVector();
 }
 
-TorchBackend::TorchBackend(std::shared_ptr<Engine> engine)
+TorchBackend::TorchBackend(std::shared_ptr<Engine> engine, c10::intrusive_ptr<c10d::Backend> link,
+                           std::chrono::milliseconds timeout)
     : c10d::Backend(engine->rank(), engine->size()), engine_(std::move(engine)) {
+  if (link) p2p_ = std::make_shared<PointToPoint>(std::move(link), rank_, size_, timeout);
   completer_ = std::thread([this] { CompleteLoop(); });
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -133,6 +117,12 @@ void TorchBackend::shutdown() {
     if (stopping_) return;
     stopping_ = true;
   }
+  std::shared_ptr<PointToPoint> p2p;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    p2p.swap(p2p_);
+  }
+  p2p.reset();  // fails its pending operations and joins its threads (unless a call still holds it)
   engine_->Shutdown();  // fails what is pending, so the completion thread is not blocked
   cv_.notify_all();
   if (completer_.joinable()) completer_.join();  // it delivers everything it took
@@ -195,6 +185,12 @@ void TorchBackend::CompleteLoop() {
       }
     }
     if (failed != nullptr) {
+      if (failed->code() == StatusCode::kRankFailure || failed->code() == StatusCode::kStall) {
+        int none = 0;
+        error_.compare_exchange_strong(none, static_cast<int>(failed->code() == StatusCode::kStall
+                                                                  ? c10d::ErrorType::TIMEOUT
+                                                                  : c10d::ErrorType::COMM_ERROR));
+      }
       std::exception_ptr error = DistError("hvdlite backend: " + failed->message());
       Deliver([work, error] { work->future_->setError(error); });
       continue;
@@ -541,19 +537,53 @@ void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*wai
   barrier(opts)->wait(opts.timeout);
 }
 
-c10::intrusive_ptr<c10d::Work> TorchBackend::send(std::vector<at::Tensor>&, int, int) {
-  C10_THROW_ERROR(NotImplementedError, "hvdlite backend: send is not supported: hvdlite's engine runs "
-                                     "collectives only (use a gloo group for point-to-point)");
+// ---- point-to-point (Note [Point-to-point messages] in point_to_point.h) ---------------------
+
+std::shared_ptr<PointToPoint> TorchBackend::Messages(const char* what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!stopping_, "hvdlite backend: ", what, " after the process group was shut down");
+  TORCH_CHECK(p2p_ != nullptr, "hvdlite backend: ", what, ": this group has no point-to-point link");
+  return p2p_;
 }
 
-c10::intrusive_ptr<c10d::Work> TorchBackend::recv(std::vector<at::Tensor>&, int, int) {
-  C10_THROW_ERROR(NotImplementedError, "hvdlite backend: recv is not supported: hvdlite's engine runs "
-                                     "collectives only (use a gloo group for point-to-point)");
+c10::intrusive_ptr<c10d::Work> TorchBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  TORCH_CHECK(tensors.size() == 1, "hvdlite backend: send takes one tensor");
+  return Messages("send")->Send(tensors[0], dst, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> TorchBackend::recvAnysource(std::vector<at::Tensor>&, int) {
-  C10_THROW_ERROR(NotImplementedError, "hvdlite backend: recv is not supported: hvdlite's engine runs "
-                                     "collectives only (use a gloo group for point-to-point)");
+c10::intrusive_ptr<c10d::Work> TorchBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  TORCH_CHECK(tensors.size() == 1, "hvdlite backend: recv takes one tensor");
+  return Messages("recv")->Recv(tensors[0], src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> TorchBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  TORCH_CHECK(tensors.size() == 1, "hvdlite backend: recv takes one tensor");
+  return Messages("recv")->Recv(tensors[0], PointToPoint::kAnySource, tag);
+}
+
+std::vector<std::string> TorchBackend::pendingPointToPoint() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return p2p_ ? p2p_->Pending() : std::vector<std::string>{};
+}
+
+void TorchBackend::abort() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p2p_) p2p_->Abort("the process group was aborted");
+  }
+  int none = 0;
+  error_.compare_exchange_strong(none, static_cast<int>(c10d::ErrorType::COMM_ERROR));
+  shutdown();
+}
+
+c10d::ErrorType TorchBackend::getError() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p2p_ && p2p_->error() != c10d::ErrorType::SUCCESS && error_.load() == 0) {
+      return p2p_->error();
+    }
+  }
+  return static_cast<c10d::ErrorType>(error_.load());
 }
 
 }  // namespace hvdlite

@@ -35,6 +35,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -46,6 +47,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "point_to_point.h"
 
 namespace hvdlite {
 
@@ -75,10 +77,21 @@ class TorchWork : public c10d::Work {
 
 class TorchBackend : public c10d::Backend {
  public:
-  explicit TorchBackend(std::shared_ptr<Engine> engine);
+  // `link`: the Gloo group point-to-point messages travel through (Note [Point-to-point
+  // messages] in point_to_point.h), `timeout` the process group's.
+  TorchBackend(std::shared_ptr<Engine> engine, c10::intrusive_ptr<c10d::Backend> link,
+               std::chrono::milliseconds timeout);
   ~TorchBackend() override;
   const std::string getBackendName() const override { return "hvdlite"; }
+  // Stops the engine and fails every pending operation; later calls raise.
   void shutdown() override;
+  // As shutdown(), never waiting for a peer: what a fault-tolerance layer calls on a failure.
+  void abort() override;
+  // SUCCESS, or COMM_ERROR once an operation failed because a peer was lost or the group was
+  // aborted (TIMEOUT when it was a stall).
+  c10d::ErrorType getError() override;
+  // The point-to-point operations in flight, one line each (who waits for whom).
+  std::vector<std::string> pendingPointToPoint() const;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -130,13 +143,17 @@ class TorchBackend : public c10d::Backend {
   // One request of `kind` on `input`, `output` (undefined: the engine allocates it).
   EnqueueArgs Request(CollectiveKind kind, const at::Tensor& input, const at::Tensor& output) const;
   void CompleteLoop();
+  // The point-to-point half, or a clear error (after shutdown, or a group made without one).
+  std::shared_ptr<PointToPoint> Messages(const char* what);
   // Note [Engine behind a process group]: runs `complete` on an idle delivery thread, or on a
   // new one where every delivery thread is inside a callback.
   void Deliver(std::function<void()> complete);
   void DeliverLoop();
 
   std::shared_ptr<Engine> engine_;
-  std::mutex mu_;
+  std::shared_ptr<PointToPoint> p2p_;  // null after shutdown
+  std::atomic<int> error_{0};          // a c10d::ErrorType: the first failure's kind
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<TorchWork>> pending_;  // under mu_, in submission order
   bool stopping_ = false;                              // under mu_

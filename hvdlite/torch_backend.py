@@ -41,6 +41,7 @@ def _shutdown_at_exit():
         _MADE.pop().shutdown()
     from ._runtime import state as _state
     _state.process.backend_engines.clear()
+    _state.process.backends.clear()
 
 
 def _create(store, rank, size, timeout):
@@ -68,12 +69,19 @@ def _create(store, rank, size, timeout):
     one_host = len({p["host"] for p in peers}) == 1
     loopback = one_host and _is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     # its timeline is "<path>.pg<n>": the n-th group of the backend this process made
-    engine, _ = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers,
-                                     timeline_label=f"pg{len(_MADE)}")
-    backend = _core.torch_backend(engine)
-    _MADE.append(backend)
+    engine, groups = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers,
+                                          timeline_label=f"pg{len(_MADE)}")
+    # Note [Point-to-point messages] (csrc/point_to_point.h): send and recv travel through the
+    # group's first CPU channel, pair by pair, beside the engine's collectives.
+    backend = _core.torch_backend(engine, groups.cpu[0], timeout.total_seconds())
     from ._runtime import recorder as _recorder, state as _state
+    # Note [Dump requests] (csrc/recorder.h): a dump signal reaches every rank through the
+    # global engine; a job of torch.distributed groups only has the first group's engine do it.
+    if not _MADE and _state.peek() is None:
+        engine.set_label(f"pg{len(_MADE)}", True)
+    _MADE.append(backend)
     _state.process.backend_engines.append((f"pg{len(_MADE) - 1}", engine))  # Note [Dump files]
+    _state.process.backends.append((f"pg{len(_MADE) - 1}", backend))  # their pending point-to-point
     _recorder.start(rank)
     return backend
 

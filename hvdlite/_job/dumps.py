@@ -73,6 +73,9 @@ def report(records: Dict[int, dict], size: Optional[int] = None) -> str:
              + ("" if len(records) >= size else f" (missing: {_ranks(r for r in range(size) if r not in records)})")]
     labels = list(dict.fromkeys(label for r in records.values() for label in r.get("engines", {})))
     for label in labels:
+        for rank, r in sorted(records.items()):  # Note [Point-to-point messages] (csrc/point_to_point.h)
+            for line in r.get("engines", {}).get(label, {}).get("point_to_point") or ():
+                lines.append(f"engine {label}: rank {rank}: {line}")
         views = [r["engines"][label] for _, r in sorted(records.items()) if label in r.get("engines", {})]
         listed = [v["pending"] for v in views if v.get("pending") is not None]
         # The ranks wrote at slightly different moments: a collective pending in any rank's

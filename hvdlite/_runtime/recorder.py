@@ -177,6 +177,9 @@ def collect(ident, reasons, state):
             records[label] = {"rank": engine.rank, "size": engine.size, **engine.flight_record(PENDING_TIMEOUT)}
         except Exception as exc:  # noqa: BLE001 - a stopped engine still leaves the rest
             records[label] = {"error": repr(exc)}
+    for label, backend in _state.process.backends:  # who waits for whom, point to point
+        if label in records:
+            records[label]["point_to_point"] = _core.pending_point_to_point(backend)
     if state is not None:
         rank, size = state.topology.rank, state.topology.size
     else:  # only torch.distributed groups of the backend: the first one's rank and size

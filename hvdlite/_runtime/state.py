@@ -91,6 +91,7 @@ class Process:
     recorder_pidfiles: set = dataclasses.field(default_factory=set)  # this process's registrations
     recorder_stopping: object = dataclasses.field(default_factory=threading.Event)  # set at exit
     backend_engines: list = dataclasses.field(default_factory=list)  # (label, engine) of hvdlite process groups
+    backends: list = dataclasses.field(default_factory=list)  # (label, c10d backend) of the same groups
     metrics_server: object = None   # Note [Metrics] in _runtime/metrics.py, once serving
     compiled_buckets: object = None  # Note [Compiled backward in buckets], once an optimizer made it
 

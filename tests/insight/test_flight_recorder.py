@@ -32,15 +32,15 @@ SLEEP_LINE = STUCK.lstrip("\n").splitlines().index(
     '    time.sleep(float(os.environ["SLEEP"]))  # rank 1 is stuck here') + 1
 
 
-def _start(tmp_path, sleep, extra_env=None):
+def _start(tmp_path, sleep, extra_env=None, source=STUCK, np=3):
     script = tmp_path / "stuck.py"
-    script.write_text(STUCK.lstrip("\n"))
+    script.write_text(source.lstrip("\n"))
     ready = tmp_path / "ready"
     ready.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HVDLITE_")}
     env.update({"READY_DIR": str(ready), "SLEEP": str(sleep), "HVDLITE_JOB_DIR": str(tmp_path / "job"),
                 "OMP_NUM_THREADS": "1", **(extra_env or {})})
-    launcher = subprocess.Popen(LAUNCH + ["-np", "3", sys.executable, str(script)], cwd=tmp_path, env=env,
+    launcher = subprocess.Popen(LAUNCH + ["-np", str(np), sys.executable, str(script)], cwd=tmp_path, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return launcher, ready, script
 
@@ -216,3 +216,32 @@ def test_a_process_group_timeout_of_the_backend_writes_a_dump(tmp_path):
     records = [r for f in found for r in f.values() if any("stalled for" in why for why in r["reasons"])]
     assert records, found
     assert "pg0" in records[0]["engines"], records[0]["engines"].keys()
+
+
+WAITING_RECV = '''
+import os, time, torch
+import torch.distributed as dist
+import hvdlite
+dist.init_process_group("hvdlite")
+open(os.path.join(os.environ["READY_DIR"], str(dist.get_rank())), "w").close()
+if dist.get_rank() == 1:
+    dist.recv(torch.empty(3), 0, tag=6)  # waits while rank 0 sleeps
+else:
+    time.sleep(30)
+'''
+
+
+@pytest.mark.slow
+def test_hvdliterun_dump_shows_who_waits_for_whom_point_to_point(tmp_path):
+    launcher, ready, _ = _start(tmp_path, 0, source=WAITING_RECV, np=2)
+    try:
+        _wait_ready(launcher, ready, count=2)
+        time.sleep(1.0)
+        dumped = subprocess.run(LAUNCH + ["--dump", str(tmp_path / "job")], capture_output=True, text=True,
+                                timeout=40)
+        assert dumped.returncode == 0, dumped.stderr
+        assert "engine pg0: rank 1: recv from rank 0 with tag 6: waiting for rank 0 to send for" in dumped.stdout, \
+            dumped.stdout
+    finally:
+        launcher.kill()
+        launcher.communicate(timeout=30)

@@ -1,0 +1,429 @@
+#include "point_to_point.h"
+
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <sstream>
+#include <utility>
+
+namespace hvdlite {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Note [Point-to-point messages]: a tag's four Gloo slots.
+enum Slot : int { kHeader = 0, kData = 1, kVerdict = 2 };
+int SlotOf(int tag, Slot slot) { return tag * 4 + slot; }
+
+// Header and verdict: 16 words. [0] magic, [1] tag, [2] dtype, [3] dims, [4] bytes,
+// [5] numel, [6] verdict (1: taken), [7..15] the shape.
+constexpr int64_t kMagic = 0x68766470'32703270;  // "hvdp2p2p"
+constexpr int kWords = 16;
+constexpr int kMaxDims = kWords - 7;
+
+std::exception_ptr DistError(const std::string& message) {
+  try {
+    C10_THROW_ERROR(DistBackendError, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+// Note [Tensors handed to c10d] (backend_c10d.cc): c10d gets aliases without a Python object.
+at::Tensor Bytes(const at::Tensor& t) {
+  at::Tensor alias = at::empty({0}, t.options().dtype(at::kByte));
+  alias.set_(t.storage(), t.storage_offset() * static_cast<int64_t>(t.element_size()),
+             {t.numel() * static_cast<int64_t>(t.element_size())}, {1});
+  return alias;
+}
+
+at::Tensor Words() { return at::zeros({kWords}, at::TensorOptions().dtype(at::kLong)); }
+
+void Describe(at::Tensor& words, const at::Tensor& t, int tag) {
+  int64_t* w = words.data_ptr<int64_t>();
+  w[0] = kMagic;
+  w[1] = tag;
+  w[2] = static_cast<int64_t>(t.scalar_type());
+  w[3] = t.dim();
+  w[4] = t.numel() * static_cast<int64_t>(t.element_size());
+  w[5] = t.numel();
+  for (int64_t d = 0; d < t.dim(); ++d) w[7 + d] = t.size(d);
+}
+
+// "Float [2, 3]" from the words Describe wrote.
+std::string Shown(const at::Tensor& words) {
+  const int64_t* w = words.data_ptr<int64_t>();
+  std::ostringstream out;
+  out << c10::toString(static_cast<c10::ScalarType>(w[2])) << " [";
+  for (int64_t d = 0; d < std::min<int64_t>(w[3], kMaxDims); ++d) out << (d ? ", " : "") << w[7 + d];
+  out << "]";
+  return out.str();
+}
+
+bool Agree(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t* x = a.data_ptr<int64_t>();
+  const int64_t* y = b.data_ptr<int64_t>();
+  return x[2] == y[2] && x[5] == y[5];  // dtype and element count (the shape may differ, as with Gloo)
+}
+
+std::string Seconds(std::chrono::milliseconds ms) {
+  std::ostringstream out;
+  out << static_cast<double>(ms.count()) / 1000.0 << " s";
+  return out.str();
+}
+
+}  // namespace
+
+bool WaitFutureFor(const c10::intrusive_ptr<c10::ivalue::Future>& future, std::chrono::milliseconds timeout) {
+  if (future->completed()) return true;
+  if (timeout.count() <= 0) {  // kNoTimeout or kUnsetTimeout
+    future->wait();
+    return true;
+  }
+  struct Signal {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto signal = std::make_shared<Signal>();
+  future->addCallback([signal](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(signal->mu);
+    signal->done = true;
+    signal->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(signal->mu);
+  return signal->cv.wait_for(lock, timeout, [&] { return signal->done; });
+}
+
+// ---- P2PWork --------------------------------------------------------------------------------
+
+P2PWork::P2PWork(int rank, c10d::OpType type, std::string what, at::Tensor tensor)
+    : c10d::Work(rank, type),
+      what_(std::move(what)),
+      tensor_(std::move(tensor)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+bool P2PWork::isCompleted() { return future_->completed(); }
+
+bool P2PWork::isSuccess() const { return future_->completed() && !future_->hasError(); }
+
+bool P2PWork::wait(std::chrono::milliseconds timeout) {
+  if (!WaitFutureFor(future_, timeout)) {
+    C10_THROW_ERROR(DistBackendError, "hvdlite backend: " + what_ + " did not complete within " +
+                                          std::to_string(timeout.count()) + " ms (the wait's timeout)");
+  }
+  if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+  return true;
+}
+
+std::vector<at::Tensor> P2PWork::result() {
+  future_->wait();
+  if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+  return {tensor_};
+}
+
+int P2PWork::sourceRank() const {
+  const int source = source_.load();
+  TORCH_CHECK(source >= 0, "hvdlite backend: ", what_, ": the source rank is known once a receive has completed");
+  return source;
+}
+
+// ---- PointToPoint ---------------------------------------------------------------------------
+
+struct PointToPoint::Op {
+  bool send = false;
+  int peer = kAnySource;  // the destination of a send, the source asked for by a receive
+  int tag = 0;
+  std::string what;       // "send to rank 1 with tag 0"
+  at::Tensor user;        // the caller's tensor
+  at::Tensor data;        // contiguous: the bytes sent, or where a receive lands
+  at::Tensor words;       // a send's header, a receive's header as read
+  at::Tensor verdict;     // what the receiver answered, or answers
+  c10::intrusive_ptr<P2PWork> work;
+  Clock::time_point started = Clock::now();
+  // Under PointToPoint::mu_:
+  std::vector<c10::intrusive_ptr<c10d::Work>> gloo;  // what Abort() interrupts
+  std::string step = "queued";
+  uint64_t seq = 0;         // receives: the posting order
+  int source = kAnySource;  // receives: where the header came from
+  bool header_read = false;
+  bool data_posted = false;
+};
+
+PointToPoint::PointToPoint(c10::intrusive_ptr<c10d::Backend> link, int rank, int size,
+                           std::chrono::milliseconds timeout)
+    : link_(std::move(link)), rank_(rank), size_(size), timeout_(timeout) {}
+
+PointToPoint::~PointToPoint() {
+  Abort("the process group was shut down");
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    threads.swap(threads_);
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads) t.join();
+}
+
+c10::intrusive_ptr<c10d::Work> PointToPoint::Send(const at::Tensor& tensor, int dst, int tag) {
+  TORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "hvdlite backend: send: the destination ", dst,
+              " is not another rank of this group of ", size_);
+  TORCH_CHECK(tag >= 0 && tag <= kMaxTag, "hvdlite backend: send: tag ", tag, " is outside 0..", kMaxTag);
+  TORCH_CHECK(tensor.device().is_cpu(), "hvdlite backend: send of a ", tensor.device().str(),
+              " tensor: point-to-point carries CPU tensors (use a gloo or nccl group for others)");
+  TORCH_CHECK(tensor.dim() <= kMaxDims, "hvdlite backend: send: a tensor of ", tensor.dim(),
+              " dimensions (at most ", kMaxDims, ")");
+  auto op = std::make_shared<Op>();
+  op->send = true;
+  op->peer = dst;
+  op->tag = tag;
+  op->what = "send to rank " + std::to_string(dst) + " with tag " + std::to_string(tag);
+  op->user = tensor;
+  op->data = tensor.contiguous();
+  op->words = Words();
+  Describe(op->words, op->data, tag);
+  op->verdict = Words();
+  op->work = c10::make_intrusive<P2PWork>(rank_, c10d::OpType::SEND, op->what, tensor);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(aborted_.empty(), "hvdlite backend: ", op->what, ": ", aborted_);
+    std::vector<at::Tensor> header{op->words}, verdict{op->verdict};
+    op->gloo.push_back(link_->send(header, dst, SlotOf(tag, kHeader)));
+    if (op->data.numel() > 0) {
+      std::vector<at::Tensor> data{Bytes(op->data)};
+      op->gloo.push_back(link_->send(data, dst, SlotOf(tag, kData)));
+    }
+    op->gloo.push_back(link_->recv(verdict, dst, SlotOf(tag, kVerdict)));
+  }
+  Start(op);
+  return op->work;
+}
+
+c10::intrusive_ptr<c10d::Work> PointToPoint::Recv(const at::Tensor& tensor, int src, int tag) {
+  TORCH_CHECK(src == kAnySource || (src >= 0 && src < size_ && src != rank_), "hvdlite backend: recv: the source ",
+              src, " is not another rank of this group of ", size_);
+  TORCH_CHECK(tag >= 0 && tag <= kMaxTag, "hvdlite backend: recv: tag ", tag, " is outside 0..", kMaxTag);
+  TORCH_CHECK(tensor.device().is_cpu(), "hvdlite backend: recv into a ", tensor.device().str(),
+              " tensor: point-to-point carries CPU tensors (use a gloo or nccl group for others)");
+  auto op = std::make_shared<Op>();
+  op->peer = src;
+  op->tag = tag;
+  op->what = std::string("recv from ") + (src == kAnySource ? "any rank" : "rank " + std::to_string(src)) +
+             " with tag " + std::to_string(tag);
+  op->user = tensor;
+  op->data = tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options());
+  op->words = Words();
+  op->verdict = Words();
+  op->work = c10::make_intrusive<P2PWork>(rank_, src == kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+                                          op->what, tensor);
+  {
+    // Posted under mu_, so the posting order (seq) is the order Gloo matches headers in.
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(aborted_.empty(), "hvdlite backend: ", op->what, ": ", aborted_);
+    std::vector<at::Tensor> header{op->words};
+    op->gloo.push_back(src == kAnySource ? link_->recvAnysource(header, SlotOf(tag, kHeader))
+                                         : link_->recv(header, src, SlotOf(tag, kHeader)));
+    op->seq = posted_++;
+  }
+  Start(op);
+  return op->work;
+}
+
+void PointToPoint::Start(std::shared_ptr<Op> op) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.push_back(op);
+    queue_.push_back(std::move(op));
+    // A thread per operation in flight: a receive waits for its peer, and must not hold up
+    // another (Note [Point-to-point messages]).
+    if (idle_ < queue_.size() && !stopping_) threads_.emplace_back([this] { WorkLoop(); });
+  }
+  cv_.notify_all();
+}
+
+void PointToPoint::WorkLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    ++idle_;
+    cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    --idle_;
+    if (queue_.empty()) return;  // stopping
+    std::shared_ptr<Op> op = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      Run(*op);
+    } catch (const std::exception& e) {
+      error = DistError("hvdlite backend: " + op->what + ": " + e.what());
+    }
+    Finish(op, error);
+    lock.lock();
+  }
+}
+
+void PointToPoint::Run(Op& op) {
+  if (op.send) {
+    RunSend(op);
+  } else {
+    RunRecv(op);
+  }
+}
+
+void PointToPoint::Await(Op& op, const c10::intrusive_ptr<c10d::Work>& work, const std::string& step,
+                         std::chrono::milliseconds timeout) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.empty()) throw std::runtime_error(aborted_);
+    op.step = step;
+  }
+  bool done = false;
+  try {
+    done = work->wait(timeout);
+  } catch (const std::exception& e) {
+    const std::string message = e.what();
+    const bool timed_out = message.find("Timed out") != std::string::npos;
+    int none = 0;
+    error_.compare_exchange_strong(none, static_cast<int>(timed_out ? c10d::ErrorType::TIMEOUT
+                                                                    : c10d::ErrorType::COMM_ERROR));
+    if (timed_out) {
+      throw std::runtime_error(step + ": still waiting after " + Seconds(timeout) + " (the process group's timeout)");
+    }
+    throw std::runtime_error(step + ": " + message.substr(0, message.find('\n')));
+  }
+  if (!done) {
+    int none = 0;
+    error_.compare_exchange_strong(none, static_cast<int>(c10d::ErrorType::COMM_ERROR));
+    std::lock_guard<std::mutex> lock(mu_);
+    throw std::runtime_error(aborted_.empty() ? step + ": aborted" : aborted_);
+  }
+}
+
+void PointToPoint::RunSend(Op& op) {
+  const std::string peer = "rank " + std::to_string(op.peer);
+  const size_t last = op.gloo.size() - 1;
+  for (size_t i = 0; i < last; ++i) Await(op, op.gloo[i], "sending to " + peer, timeout_);
+  Await(op, op.gloo[last], "waiting for " + peer + " to receive it", timeout_);
+  if (op.verdict.data_ptr<int64_t>()[0] != kMagic) {
+    throw std::runtime_error(peer + " answered with a malformed message");
+  }
+  if (op.verdict.data_ptr<int64_t>()[6] != 1) {
+    throw std::runtime_error(peer + " receives into " + Shown(op.verdict) + ", but rank " + std::to_string(rank_) +
+                             " sent " + Shown(op.words) + ": the dtype or the number of elements differs");
+  }
+}
+
+void PointToPoint::WaitForEarlierReceives(Op& op, int source) {
+  std::unique_lock<std::mutex> lock(mu_);
+  op.source = source;
+  op.header_read = true;
+  cv_.wait(lock, [&] {
+    if (!aborted_.empty()) return true;
+    for (const std::shared_ptr<Op>& other : live_) {
+      if (other->send || other->tag != op.tag || other->seq >= op.seq || other->data_posted) continue;
+      const bool could_be_source = other->header_read ? other->source == source
+                                                      : other->peer == source || other->peer == kAnySource;
+      if (could_be_source) return false;
+    }
+    return true;
+  });
+  op.step = "receiving data";
+}
+
+void PointToPoint::RunRecv(Op& op) {
+  Await(op, op.gloo[0],
+        op.peer == kAnySource ? "waiting for a send from any rank" : "waiting for rank " + std::to_string(op.peer) +
+                                                                          " to send",
+        timeout_);
+  const int source = op.peer == kAnySource ? op.gloo[0]->sourceRank() : op.peer;
+  const std::string peer = "rank " + std::to_string(source);
+  if (op.words.data_ptr<int64_t>()[0] != kMagic) {
+    throw std::runtime_error(peer + " sent a malformed message");
+  }
+  at::Tensor mine = Words();
+  Describe(mine, op.data, op.tag);
+  const bool agree = Agree(op.words, mine);
+  const int64_t bytes = op.words.data_ptr<int64_t>()[4];
+  // Note [Point-to-point messages]: a mismatched message is read into scratch, never the caller's tensor.
+  at::Tensor landing = agree ? Bytes(op.data) : at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  WaitForEarlierReceives(op, source);
+  c10::intrusive_ptr<c10d::Work> data;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (bytes > 0 && aborted_.empty()) {
+      std::vector<at::Tensor> into{landing};
+      data = link_->recv(into, source, SlotOf(op.tag, kData));
+      op.gloo.push_back(data);
+    }
+    op.data_posted = true;
+  }
+  cv_.notify_all();
+  if (data) Await(op, data, "receiving " + std::to_string(bytes) + " bytes from " + peer, timeout_);
+  Describe(op.verdict, op.data, op.tag);
+  op.verdict.data_ptr<int64_t>()[6] = agree ? 1 : 0;
+  c10::intrusive_ptr<c10d::Work> answer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.empty()) throw std::runtime_error(aborted_);
+    std::vector<at::Tensor> verdict{op.verdict};
+    answer = link_->send(verdict, source, SlotOf(op.tag, kVerdict));
+    op.gloo.push_back(answer);
+  }
+  Await(op, answer, "answering " + peer, timeout_);
+  op.work->source_.store(source);
+  if (!agree) {
+    throw std::runtime_error(peer + " sent " + Shown(op.words) + ", but rank " + std::to_string(rank_) +
+                             " receives into " + Shown(mine) + ": the dtype or the number of elements differs");
+  }
+  if (!op.data.is_same(op.user)) op.user.copy_(op.data);
+}
+
+void PointToPoint::Finish(const std::shared_ptr<Op>& op, std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    op->data_posted = true;  // a receive that failed before posting holds up no later one
+    live_.erase(std::remove(live_.begin(), live_.end(), op), live_.end());
+  }
+  cv_.notify_all();
+  if (error) {
+    op->work->future_->setError(error);
+  } else {
+    op->work->future_->markCompleted(c10::IValue(std::vector<at::Tensor>{op->user}));
+  }
+}
+
+void PointToPoint::Abort(const std::string& why) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> gloo;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.empty()) aborted_ = why.empty() ? "aborted" : why;
+    for (const std::shared_ptr<Op>& op : live_) gloo.insert(gloo.end(), op->gloo.begin(), op->gloo.end());
+  }
+  cv_.notify_all();
+  for (const auto& work : gloo) {
+    try {
+      work->abort();
+    } catch (const std::exception&) {
+      // a work that already ended has nothing to abort
+    }
+  }
+}
+
+std::vector<std::string> PointToPoint::Pending() const {
+  std::vector<std::string> lines;
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point now = Clock::now();
+  for (const std::shared_ptr<Op>& op : live_) {
+    const double seconds = std::chrono::duration<double>(now - op->started).count();
+    std::ostringstream line;
+    line << op->what << ": " << op->step << " for " << seconds << " s";
+    lines.push_back(line.str());
+  }
+  return lines;
+}
+
+}  // namespace hvdlite
