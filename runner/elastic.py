@@ -47,6 +47,7 @@ launcher says so.
 import enum
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -66,6 +67,8 @@ from .network import LocalHostDetector, address_towards, advertised_address
 from .output import OutputMux
 from .session import LaunchSession
 from .workers import stop_with_parent
+
+DUMP_GRACE = 3.5  # seconds a late worker asked for a dump has to write it (Note [Late workers])
 
 DISCOVERY_INTERVAL = 1.0
 DISCOVERY_TIMEOUT = 30.0
@@ -180,6 +183,9 @@ class _Driver:
         self.finishing = False
         self.ended_generation = False      # the current generation's notice was sent
         self.reset_began = time.monotonic()
+        self.dump_asked: Dict[int, float] = {}  # late workers asked for a dump, when (Note [Late workers])
+        # a worker without the recorder has no SIGUSR1 handler: the signal would end it
+        self.dumps_allowed = self.base_env.get("HVDLITE_FLIGHT_RECORDER") != "0"
         self.short_since: Optional[float] = None
         self.newcomers: Set[int] = set()   # started for new slots, not yet in a generation
         self.failures: List[RankExit] = []
@@ -292,6 +298,28 @@ class _Driver:
         self.log(f"ending generation {self.generation}: {why}")
         self.server.set(keys.elastic_notice(self.generation), b"hosts")
 
+    def _ask_late_for_dumps(self, late: List[_Worker], now: float) -> None:
+        """Note [Late workers]
+        A worker that has not left an ended generation halfway through --elastic-timeout is
+        probably stuck, and will be killed when the timeout ends, which erases where it was.
+        So it is asked for a flight-recorder dump then (SIGUSR1 through its agent; Note [Dump
+        files] in hvdlite/_runtime/recorder.py): the launcher prints the report, with the line
+        its main thread is at and what its engine is doing, before the kill. A worker that
+        leaves in the second half has lost nothing but the dump's few milliseconds. The kill
+        waits until DUMP_GRACE has passed since the request (a signalled rank first waits up to
+        2.5 s for a job-wide dump round), so with a short --elastic-timeout it comes a little
+        after the timeout."""
+        if not (self.ended_generation and self.dumps_allowed and now - self.reset_began > self.elastic.timeout / 2):
+            return
+        for w in late:
+            if w.wid in self.dump_asked:
+                continue
+            self.dump_asked[w.wid] = now
+            self.announce(f"worker {w.wid} (rank {w.rank}, host {w.host}) has not left generation "
+                          f"{self.generation} after {now - self.reset_began:.1f} s; asking it for a "
+                          "flight-recorder dump")
+            self.group.send_signal(w.wid, signal.SIGUSR1)
+
     def _abort(self, why: str) -> None:
         for w in self._in(WorkerState.ASKING):
             self._answer(w, {"action": "abort", "why": why})
@@ -312,7 +340,10 @@ class _Driver:
         else:
             late = [w for w in eligible if w.state is WorkerState.RUNNING]
             if late:
+                self._ask_late_for_dumps(late, now)
                 if self.ended_generation and now - self.reset_began > self.elastic.timeout:
+                    # Note [Late workers]: a dump asked for gets DUMP_GRACE to be written
+                    late = [w for w in late if now - self.dump_asked.get(w.wid, now - DUMP_GRACE) >= DUMP_GRACE]
                     for w in late:  # a rank that hangs instead of leaving: it counts as failed
                         self.announce(f"worker {w.wid} (rank {w.rank}, host {w.host}) did not leave "
                                       f"generation {self.generation} within --elastic-timeout "

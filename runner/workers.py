@@ -171,6 +171,10 @@ class WorkerGroup:
         """SIGKILL one rank (and its process group); its exit arrives through next_exit."""
         self._signal(self._workers[rank], signal.SIGKILL)
 
+    def send_signal(self, rank: int, sig: int) -> None:
+        """Sends `sig` to one rank (through its agent)."""
+        self._signal(self._workers[rank], sig)
+
     def signal_all(self, sig: int) -> None:
         for rank in self.running():
             self._signal(self._workers[rank], sig)

@@ -175,6 +175,9 @@ def test_rank_stuck_in_user_code_is_named_removed_and_the_job_goes_on(elastic_ru
     assert {(e["rank"], e["error"]) for e in failures} == {(0, "StallError"), (1, "StallError")}, failures
     assert "(rank 2, host 127.0.0.3) did not leave generation 0 within --elastic-timeout 3 s; killing it" \
         in out, out
+    # Note [Late workers] (runner/elastic.py): asked for a dump before the kill, it says where it was
+    assert "(rank 2, host 127.0.0.3) has not left generation 0 after" in out, out
+    assert "elastic_job.py" in out and "in loop: time.sleep(3600)" in out, out
     gens = _ranks_by_generation(run)
     assert {(r, s, h) for r, s, h, _ in gens[max(gens)]} == {(0, 2, "127.0.0.1"), (1, 2, "127.0.0.2")}
     run.check_every_sample_once_per_epoch()
