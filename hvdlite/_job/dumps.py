@@ -99,7 +99,7 @@ def report(records: Dict[int, dict], size: Optional[int] = None) -> str:
         for missing in sorted({r for p in pending for r in p["missing"]}):
             lines.append(f"  rank {missing} is at {where(records.get(missing))}")
     lines.append("ranks:")
-    for rank in range(size):
+    for rank in sorted(set(range(size)) | set(records)):
         record = records.get(rank)
         if record is None:
             lines.append(f"  rank {rank}: no record")

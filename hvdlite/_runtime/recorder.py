@@ -183,8 +183,11 @@ def collect(ident, reasons, state):
     if state is not None:
         rank, size = state.topology.rank, state.topology.size
     else:  # only torch.distributed groups of the backend: the first one's rank and size
+        # (an elastic worker between generations has none: the place it last had)
         first = next(iter(engines(state)), None)
-        rank, size = (first[1].rank, first[1].size) if first else (os.getpid(), None)
+        last = os.environ.get("HVDLITE_RANK")
+        rank, size = ((first[1].rank, first[1].size) if first else
+                      (int(last), None) if last and last.isdigit() else (os.getpid(), None))
     return {"id": ident, "reasons": reasons, "rank": rank, "size": size, "host": socket.gethostname(),
             "pid": os.getpid(), "time": time.time(), "engines": records, "threads": threads, "where": where}
 
