@@ -5,16 +5,6 @@
 #include <stdexcept>
 
 namespace hvdlite {
-namespace {
-
-c10d::ReduceOp ToC10d(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
-    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
-    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
-    default: return c10d::ReduceOp::SUM;
-  }
-}
 
 // Note [Tensors handed to c10d]: a backend's worker thread may drop its reference to a tensor
 // after the collective reports completion. If that is the last reference to a tensor Python
@@ -27,6 +17,17 @@ at::Tensor Unowned(const at::Tensor& t) {
   at::Tensor alias = at::empty({0}, t.options());
   alias.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
   return alias;
+}
+
+namespace {
+
+c10d::ReduceOp ToC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
+    default: return c10d::ReduceOp::SUM;
+  }
 }
 
 // Note [Collectives that move bytes]: broadcast, allgather and alltoall only move data, so

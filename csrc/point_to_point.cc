@@ -1,5 +1,7 @@
 #include "point_to_point.h"
 
+#include "backend_c10d.h"
+
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -32,7 +34,7 @@ std::exception_ptr DistError(const std::string& message) {
   }
 }
 
-// Note [Tensors handed to c10d] (backend_c10d.cc): c10d gets aliases without a Python object.
+// `t`'s bytes as a flat uint8 tensor on its storage (no Python object: Note [Tensors handed to c10d]).
 at::Tensor Bytes(const at::Tensor& t) {
   at::Tensor alias = at::empty({0}, t.options().dtype(at::kByte));
   alias.set_(t.storage(), t.storage_offset() * static_cast<int64_t>(t.element_size()),
@@ -182,12 +184,12 @@ c10::intrusive_ptr<c10d::Work> PointToPoint::Send(const at::Tensor& tensor, int 
   op->peer = dst;
   op->tag = tag;
   op->what = "send to rank " + std::to_string(dst) + " with tag " + std::to_string(tag);
-  op->user = tensor;
-  op->data = tensor.contiguous();
+  op->user = Unowned(tensor);  // Note [Tensors handed to c10d]: the threads hold no Python tensor
+  op->data = op->user.contiguous();
   op->words = Words();
   Describe(op->words, op->data, tag);
   op->verdict = Words();
-  op->work = c10::make_intrusive<P2PWork>(rank_, c10d::OpType::SEND, op->what, tensor);
+  op->work = c10::make_intrusive<P2PWork>(rank_, c10d::OpType::SEND, op->what, op->user);
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(aborted_.empty(), "hvdlite backend: ", op->what, ": ", aborted_);
@@ -214,12 +216,12 @@ c10::intrusive_ptr<c10d::Work> PointToPoint::Recv(const at::Tensor& tensor, int 
   op->tag = tag;
   op->what = std::string("recv from ") + (src == kAnySource ? "any rank" : "rank " + std::to_string(src)) +
              " with tag " + std::to_string(tag);
-  op->user = tensor;
-  op->data = tensor.is_contiguous() ? tensor : at::empty(tensor.sizes(), tensor.options());
+  op->user = Unowned(tensor);  // Note [Tensors handed to c10d]: the threads hold no Python tensor
+  op->data = tensor.is_contiguous() ? op->user : at::empty(tensor.sizes(), tensor.options());
   op->words = Words();
   op->verdict = Words();
   op->work = c10::make_intrusive<P2PWork>(rank_, src == kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
-                                          op->what, tensor);
+                                          op->what, op->user);
   {
     // Posted under mu_, so the posting order (seq) is the order Gloo matches headers in.
     std::lock_guard<std::mutex> lock(mu_);
