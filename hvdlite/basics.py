@@ -21,6 +21,7 @@ import functools
 import ipaddress
 import os
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -195,7 +196,12 @@ def _shutdown_at_exit():
     _shutdown(_failure.exit_reason())
 
 
-def _shutdown(reason):
+# Note [Leaving a failed generation]: how long an elastic reset waits for the old engines'
+# process groups to be destroyed before it goes on and leaves that to a thread.
+TEARDOWN_WAIT = 1.0
+
+
+def _shutdown(reason, bounded=False):
     with _state.process.lock:
         state = _state.take()
     if state is not None:
@@ -206,8 +212,34 @@ def _shutdown(reason):
         # Drop the engines and process groups now: destroying a group closes its connections,
         # which is how a peer still blocked in a collective with this rank learns that it left
         # (Gloo has no way to interrupt a collective from outside).
-        state.sets.clear()
-        state.handles.clear()
+        if bounded:
+            _drop_in_background(state)
+        else:
+            state.sets.clear()
+            state.handles.clear()
+
+
+def _drop_in_background(state):
+    """Note [Leaving a failed generation]
+    An elastic worker leaving a generation drops its engines and their Gloo groups before it
+    asks the launcher for a place in the next one. Destroying a Gloo group waits for the
+    group's worker thread to finish the operation it is in, and the chaos test caught a survivor
+    of a lost rank waiting there past --elastic-timeout (its dump: the main thread in this
+    function's `clear()`), so the launcher killed it as hung and the job lost every holder of
+    its state. So a reset drops them on a thread of its own: it waits TEARDOWN_WAIT for them
+    (they go in milliseconds when nothing is stuck, closing their connections as before) and
+    then goes on; a stuck group goes when its operation ends, at the latest at the process
+    group's timeout."""
+    sets, handles = dict(state.sets), dict(state.handles)
+    state.sets.clear()
+    state.handles.clear()
+
+    def drop():
+        sets.clear()
+        handles.clear()
+    thread = threading.Thread(target=drop, name="hvdlite-teardown", daemon=True)
+    thread.start()
+    thread.join(TEARDOWN_WAIT)
 
 
 def start_timeline(file_path, mark_cycles=False):

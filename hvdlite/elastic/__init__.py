@@ -41,7 +41,7 @@ _NOT_RESETTABLE = (MismatchError, NotInitializedError, ValueError, TypeError, Ob
 def _reset(state, reason, lost):
     """Leaves this generation and joins the next (Note [Elastic rendezvous])."""
     _state.process.elastic.resets += 1  # Note [Metrics]
-    basics.shutdown()
+    basics._shutdown("", bounded=True)  # Note [Leaving a failed generation] in basics.py
     if not _elastic_worker.enabled():
         raise RuntimeError("hvdlite.elastic.run: a reset needs the elastic launcher "
                            "(hvdliterun --host-discovery-script ...)")
