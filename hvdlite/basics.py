@@ -21,6 +21,7 @@ import functools
 import ipaddress
 import os
 import socket
+import sys
 import threading
 
 import torch
@@ -240,6 +241,10 @@ def _drop_in_background(state):
     thread = threading.Thread(target=drop, name="hvdlite-teardown", daemon=True)
     thread.start()
     thread.join(TEARDOWN_WAIT)
+    if thread.is_alive():
+        sys.stderr.write(f"hvdlite elastic: the previous generation's process groups are still being destroyed "
+                         f"after {TEARDOWN_WAIT:g} s; this worker goes on and leaves that to a thread\n")
+        sys.stderr.flush()
 
 
 def start_timeline(file_path, mark_cycles=False):

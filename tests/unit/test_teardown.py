@@ -18,13 +18,14 @@ class _Stuck:
         self.dropped.set()
 
 
-def test_a_reset_goes_on_while_a_group_is_stuck_in_its_destruction(monkeypatch):
+def test_a_reset_goes_on_while_a_group_is_stuck_in_its_destruction(monkeypatch, capsys):
     monkeypatch.setattr(basics, "TEARDOWN_WAIT", 0.05)
     release, dropped = threading.Event(), threading.Event()
     state = types.SimpleNamespace(sets={0: _Stuck(release, dropped)}, handles={7: object()})
     basics._drop_in_background(state)
     assert state.sets == {} and state.handles == {}
     assert not dropped.is_set()  # still inside its destruction, on the teardown thread
+    assert "process groups are still being destroyed after 0.05 s" in capsys.readouterr().err
     release.set()
     assert dropped.wait(10)
 
