@@ -8,9 +8,13 @@ interleaved round by round, medians over the rounds, ratios hvdlite / Gloo (lowe
   - a 16 MB send and recv (one way);
   - a Schedule1F1B step of an MLP (--layers Linear layers of --width, 8 micro-batches of 16
     rows), one stage per rank, each group's schedule built over the same weights.
-Issue targets (not met today: Note [Point-to-point messages] in csrc/point_to_point.h sends
-three Gloo messages per send, and no shared memory): 4 bytes at most 3x a shared-memory
-ping-pong, 16 MB at 3x Gloo's bandwidth, the 1F1B step at most 0.7x Gloo's.
+The floor: a ping-pong of one word through a shared-memory segment between the two processes
+(ShmChannel.ping_pong_floor, spinning on both sides), measured in the same rounds, in one
+native loop and with one call from Python per round trip (what any transport called from
+Python pays at least).
+Targets: 4 bytes at most 3x that floor, 16 MB at 3x Gloo's bandwidth, the 1F1B step at most
+0.7x Gloo's. HVDLITE_SHM_POINT_TO_POINT=0 measures the Gloo path of the hvdlite backend
+(Note [Point-to-point messages] in csrc/point_to_point.h) instead of the segment's mailboxes.
 """
 
 import argparse
@@ -22,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hvdlite  # noqa: F401  (registers the backend)
+from hvdlite._runtime.native import _core
 
 
 def ping_pong(group, tensor, n):
@@ -55,6 +60,24 @@ def pipeline(group, width, layers, rank):
     return step
 
 
+def floor_channel(rank):
+    """A segment of its own between the two ranks, for the floor (the group's own is private)."""
+    import os
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        name = f"/hvdlite.bench.{os.getpid()}"
+        assert not _core.ShmChannel.create(name, 2)
+        store.set("bench/floor", name)
+    name = store.get("bench/floor").decode()
+    store.set(f"bench/floor/pid{rank}", str(os.getpid()))
+    pids = [int(store.get(f"bench/floor/pid{r}")) for r in range(2)]
+    channel = _core.ShmChannel(name, rank, 2, [0, 1], pids, 60.0)
+    dist.barrier()
+    if rank == 0:
+        _core.ShmChannel.unlink(name)
+    return channel
+
+
 def timed(step, n):
     start = time.perf_counter()
     for _ in range(n):
@@ -76,18 +99,34 @@ def main():
     groups = {"hvdlite": None, "gloo": gloo}
     small, large = torch.ones(1), torch.ones(4 << 20)
     steps = {name: pipeline(group, args.width, args.layers, rank) for name, group in groups.items()}
+    channel = floor_channel(rank)
+    path = _core.point_to_point_path(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")))
+    floor = []
     for name in groups:  # warm up: connections, the schedules' shape exchange
         ping_pong(groups[name], small, 20)
         ping_pong(groups[name], large, 2)
         steps[name]()
     results = {(what, name): [] for what in ("4 B one way (us)", "16 MB one way (ms)", "1F1B step (ms)")
                for name in groups}
+    called = []  # the floor as a Python caller reaches it: one native call per round trip
     for _ in range(args.rounds):
+        floor.append(channel.ping_pong_floor(20000) * 1e6)
+        start = time.perf_counter()
+        for _ in range(2000):
+            channel.ping_pong_floor(1)
+        called.append((time.perf_counter() - start) / 2000 / 2 * 1e6)
         for name, group in groups.items():
             results[("4 B one way (us)", name)].append(ping_pong(group, small, 200) * 1e6)
             results[("16 MB one way (ms)", name)].append(ping_pong(group, large, 5) * 1e3)
             results[("1F1B step (ms)", name)].append(timed(steps[name], 3) * 1e3)
     if rank == 0:
+        print(f"hvdlite's point-to-point path: {path}")
+        small_floor = statistics.median(floor)
+        ours = statistics.median(results[("4 B one way (us)", "hvdlite")])
+        print(f"shared-memory floor, one way: {small_floor:.2f} us; hvdlite's 4 B is {ours / small_floor:.1f}x it")
+        called_floor = statistics.median(called)
+        print(f"the same, one native call from Python per round trip: {called_floor:.2f} us; "
+              f"hvdlite's 4 B is {ours / called_floor:.1f}x it")
         print(f"{'':22} {'hvdlite':>10} {'gloo':>10} {'ratio':>7}")
         for what in ("4 B one way (us)", "16 MB one way (ms)", "1F1B step (ms)"):
             ours = statistics.median(results[(what, "hvdlite")])

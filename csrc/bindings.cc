@@ -20,6 +20,7 @@
 #include "timeline.h"
 #include "status_error.h"
 #include "test_hooks.h"
+#include "shm_point_to_point.h"
 #include "torch_backend.h"
 
 namespace py = pybind11;
@@ -410,6 +411,9 @@ PYBIND11_MODULE(_core, m) {
       .def_static("can_reach", &ShmChannel::CanReach, py::arg("pid"), py::arg("address"), py::arg("value"))
       .def("enable_single_copy", &ShmChannel::EnableSingleCopy, py::arg("min_bytes") = ShmChannel::kSingleCopyMinBytes)
       .def_property_readonly("single_copy", &ShmChannel::single_copy_enabled)
+      // Note [Point-to-point through shared memory]: the floor a message's latency is measured against.
+      .def("ping_pong_floor", &ShmPointToPoint::PingPongFloor, py::arg("rounds"),
+           py::call_guard<py::gil_scoped_release>())
       .def_static("segment_bytes", &ShmSegment::Bytes, py::arg("size"), py::arg("chunk_bytes") = 0);
 
   // Note [Dump requests] (recorder.h)
@@ -424,12 +428,19 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "torch_backend",
       [](std::shared_ptr<Engine> engine, std::optional<c10::intrusive_ptr<c10d::Backend>> link,
-         double timeout_s) -> c10::intrusive_ptr<c10d::Backend> {
+         double timeout_s, std::shared_ptr<ShmChannel> messages) -> c10::intrusive_ptr<c10d::Backend> {
         return c10::make_intrusive<TorchBackend>(
             std::move(engine), link ? *link : c10::intrusive_ptr<c10d::Backend>(),
-            std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)));
+            std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)), std::move(messages));
       },
-      py::arg("engine"), py::arg("link") = py::none(), py::arg("timeout_s") = 1800.0);
+      py::arg("engine"), py::arg("link") = py::none(), py::arg("timeout_s") = 1800.0, py::arg("messages") = nullptr);
+  m.def(
+      "point_to_point_path",
+      [](c10::intrusive_ptr<c10d::Backend> backend) {
+        auto* ours = dynamic_cast<TorchBackend*>(backend.get());
+        return ours == nullptr ? std::string() : ours->pointToPointPath();
+      },
+      py::arg("backend"));
   m.def(
       "pending_point_to_point",
       [](c10::intrusive_ptr<c10d::Backend> backend) {

@@ -116,6 +116,7 @@ const std::vector<Setting>& Settings() {
        nullptr, nullptr, &Config::average_over_contributors, nullptr},
       Flag("HVDLITE_SHARED_MEMORY", "shared_memory", true, &Config::shared_memory),
       Flag("HVDLITE_SINGLE_COPY", "single_copy", true, &Config::single_copy),
+      Flag("HVDLITE_SHM_POINT_TO_POINT", "shm_point_to_point", true, &Config::shm_point_to_point),
       Flag("HVDLITE_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", true, &Config::hierarchical_allreduce),
       Flag("HVDLITE_CALLER_ROUNDS", "caller_rounds", false, &Config::caller_rounds),
       Text("HVDLITE_AUTOTUNE_LOG", "autotune_log_path", &Config::autotune_log_path),

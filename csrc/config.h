@@ -74,6 +74,10 @@ struct Config {
   // between the ranks' memory where the kernel allows it (Note [Single-copy allreduce] in
   // shm_channel.h); 0 keeps the staged path. Rank 0's value applies to the job.
   bool single_copy = true;
+  // HVDLITE_SHM_POINT_TO_POINT: 1 (default) lets a torch.distributed group whose ranks all run
+  // on one host send and receive through its segment (Note [Point-to-point through shared
+  // memory] in shm_point_to_point.h); 0 sends through Gloo. Rank 0's value applies to the job.
+  bool shm_point_to_point = true;
   // HVDLITE_HIERARCHICAL_ALLREDUCE: 1 makes an engine whose ranks span several hosts reduce
   // CPU tensors inside each host first (Note [Hierarchical allreduce] in cpu_route.h); 0
   // (default) runs one flat allreduce over every rank. Rank 0's value applies to the job.

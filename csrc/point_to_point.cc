@@ -20,19 +20,9 @@ using Clock = std::chrono::steady_clock;
 enum Slot : int { kHeader = 0, kData = 1, kVerdict = 2 };
 int SlotOf(int tag, Slot slot) { return tag * 4 + slot; }
 
-// Header and verdict: 16 words. [0] magic, [1] tag, [2] dtype, [3] dims, [4] bytes,
-// [5] numel, [6] verdict (1: taken), [7..15] the shape.
-constexpr int64_t kMagic = 0x68766470'32703270;  // "hvdp2p2p"
-constexpr int kWords = 16;
-constexpr int kMaxDims = kWords - 7;
-
-std::exception_ptr DistError(const std::string& message) {
-  try {
-    C10_THROW_ERROR(DistBackendError, message);
-  } catch (...) {
-    return std::current_exception();
-  }
-}
+using message_words::kMagic;
+using message_words::kMaxDims;
+using message_words::kWords;
 
 // `t`'s bytes as a flat uint8 tensor on its storage (no Python object: Note [Tensors handed to c10d]).
 at::Tensor Bytes(const at::Tensor& t) {
@@ -45,7 +35,29 @@ at::Tensor Bytes(const at::Tensor& t) {
 at::Tensor Words() { return at::zeros({kWords}, at::TensorOptions().dtype(at::kLong)); }
 
 void Describe(at::Tensor& words, const at::Tensor& t, int tag) {
-  int64_t* w = words.data_ptr<int64_t>();
+  message_words::Describe(words.data_ptr<int64_t>(), t, tag);
+}
+
+std::string Shown(const at::Tensor& words) { return message_words::Shown(words.data_ptr<int64_t>()); }
+
+bool Agree(const at::Tensor& a, const at::Tensor& b) {
+  return message_words::Agree(a.data_ptr<int64_t>(), b.data_ptr<int64_t>());
+}
+
+using message_words::DistError;
+
+std::string Seconds(std::chrono::milliseconds ms) {
+  std::ostringstream out;
+  out << static_cast<double>(ms.count()) / 1000.0 << " s";
+  return out.str();
+}
+
+}  // namespace
+
+namespace message_words {
+
+void Describe(int64_t* w, const at::Tensor& t, int tag) {
+  std::fill(w, w + kWords, 0);
   w[0] = kMagic;
   w[1] = tag;
   w[2] = static_cast<int64_t>(t.scalar_type());
@@ -55,9 +67,7 @@ void Describe(at::Tensor& words, const at::Tensor& t, int tag) {
   for (int64_t d = 0; d < t.dim(); ++d) w[7 + d] = t.size(d);
 }
 
-// "Float [2, 3]" from the words Describe wrote.
-std::string Shown(const at::Tensor& words) {
-  const int64_t* w = words.data_ptr<int64_t>();
+std::string Shown(const int64_t* w) {
   std::ostringstream out;
   out << c10::toString(static_cast<c10::ScalarType>(w[2])) << " [";
   for (int64_t d = 0; d < std::min<int64_t>(w[3], kMaxDims); ++d) out << (d ? ", " : "") << w[7 + d];
@@ -65,19 +75,41 @@ std::string Shown(const at::Tensor& words) {
   return out.str();
 }
 
-bool Agree(const at::Tensor& a, const at::Tensor& b) {
-  const int64_t* x = a.data_ptr<int64_t>();
-  const int64_t* y = b.data_ptr<int64_t>();
-  return x[2] == y[2] && x[5] == y[5];  // dtype and element count (the shape may differ, as with Gloo)
+bool Agree(const int64_t* x, const int64_t* y) { return x[2] == y[2] && x[5] == y[5]; }
+
+std::exception_ptr DistError(const std::string& message) {
+  try {
+    C10_THROW_ERROR(DistBackendError, message);
+  } catch (...) {
+    return std::current_exception();
+  }
 }
 
-std::string Seconds(std::chrono::milliseconds ms) {
-  std::ostringstream out;
-  out << static_cast<double>(ms.count()) / 1000.0 << " s";
-  return out.str();
+std::string Name(bool send, int peer, int tag) {
+  const std::string who = peer == MessagePath::kAnySource ? "any rank" : "rank " + std::to_string(peer);
+  return (send ? "send to " : "recv from ") + who + " with tag " + std::to_string(tag);
 }
 
-}  // namespace
+std::string PendingLine(const std::string& what, const std::string& step, double seconds) {
+  std::ostringstream line;
+  line << what << ": " << step << " for " << seconds << " s";
+  return line.str();
+}
+
+void CheckArguments(const char* what, const at::Tensor& tensor, int peer, int tag, int rank, int size) {
+  const bool send = std::string(what) == "send";
+  TORCH_CHECK((!send && peer == MessagePath::kAnySource) || (peer >= 0 && peer < size && peer != rank),
+              "hvdlite backend: ", what, ": the ", send ? "destination " : "source ", peer,
+              " is not another rank of this group of ", size);
+  TORCH_CHECK(tag >= 0 && tag <= MessagePath::kMaxTag, "hvdlite backend: ", what, ": tag ", tag, " is outside 0..",
+              MessagePath::kMaxTag);
+  TORCH_CHECK(tensor.device().is_cpu(), "hvdlite backend: ", what, send ? " of a " : " into a ", tensor.device().str(),
+              " tensor: point-to-point carries CPU tensors (use a gloo or nccl group for others)");
+  TORCH_CHECK(tensor.dim() <= kMaxDims, "hvdlite backend: ", what, ": a tensor of ", tensor.dim(),
+              " dimensions (at most ", kMaxDims, ")");
+}
+
+}  // namespace message_words
 
 bool WaitFutureFor(const c10::intrusive_ptr<c10::ivalue::Future>& future, std::chrono::milliseconds timeout) {
   if (future->completed()) return true;
@@ -108,11 +140,19 @@ P2PWork::P2PWork(int rank, c10d::OpType type, std::string what, at::Tensor tenso
       tensor_(std::move(tensor)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
-bool P2PWork::isCompleted() { return future_->completed(); }
+bool P2PWork::isCompleted() {
+  if (!future_->completed()) {
+    if (std::shared_ptr<MessagePath> path = path_.lock()) path->Poll();
+  }
+  return future_->completed();
+}
 
 bool P2PWork::isSuccess() const { return future_->completed() && !future_->hasError(); }
 
 bool P2PWork::wait(std::chrono::milliseconds timeout) {
+  if (!future_->completed()) {
+    if (std::shared_ptr<MessagePath> path = path_.lock()) path->BeforeWait(future_);
+  }
   if (!WaitFutureFor(future_, timeout)) {
     C10_THROW_ERROR(DistBackendError, "hvdlite backend: " + what_ + " did not complete within " +
                                           std::to_string(timeout.count()) + " ms (the wait's timeout)");
@@ -172,18 +212,12 @@ PointToPoint::~PointToPoint() {
 }
 
 c10::intrusive_ptr<c10d::Work> PointToPoint::Send(const at::Tensor& tensor, int dst, int tag) {
-  TORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "hvdlite backend: send: the destination ", dst,
-              " is not another rank of this group of ", size_);
-  TORCH_CHECK(tag >= 0 && tag <= kMaxTag, "hvdlite backend: send: tag ", tag, " is outside 0..", kMaxTag);
-  TORCH_CHECK(tensor.device().is_cpu(), "hvdlite backend: send of a ", tensor.device().str(),
-              " tensor: point-to-point carries CPU tensors (use a gloo or nccl group for others)");
-  TORCH_CHECK(tensor.dim() <= kMaxDims, "hvdlite backend: send: a tensor of ", tensor.dim(),
-              " dimensions (at most ", kMaxDims, ")");
+  message_words::CheckArguments("send", tensor, dst, tag, rank_, size_);
   auto op = std::make_shared<Op>();
   op->send = true;
   op->peer = dst;
   op->tag = tag;
-  op->what = "send to rank " + std::to_string(dst) + " with tag " + std::to_string(tag);
+  op->what = message_words::Name(true, dst, tag);
   op->user = Unowned(tensor);  // Note [Tensors handed to c10d]: the threads hold no Python tensor
   op->data = op->user.contiguous();
   op->words = Words();
@@ -206,16 +240,11 @@ c10::intrusive_ptr<c10d::Work> PointToPoint::Send(const at::Tensor& tensor, int 
 }
 
 c10::intrusive_ptr<c10d::Work> PointToPoint::Recv(const at::Tensor& tensor, int src, int tag) {
-  TORCH_CHECK(src == kAnySource || (src >= 0 && src < size_ && src != rank_), "hvdlite backend: recv: the source ",
-              src, " is not another rank of this group of ", size_);
-  TORCH_CHECK(tag >= 0 && tag <= kMaxTag, "hvdlite backend: recv: tag ", tag, " is outside 0..", kMaxTag);
-  TORCH_CHECK(tensor.device().is_cpu(), "hvdlite backend: recv into a ", tensor.device().str(),
-              " tensor: point-to-point carries CPU tensors (use a gloo or nccl group for others)");
+  message_words::CheckArguments("recv", tensor, src, tag, rank_, size_);
   auto op = std::make_shared<Op>();
   op->peer = src;
   op->tag = tag;
-  op->what = std::string("recv from ") + (src == kAnySource ? "any rank" : "rank " + std::to_string(src)) +
-             " with tag " + std::to_string(tag);
+  op->what = message_words::Name(false, src, tag);
   op->user = Unowned(tensor);  // Note [Tensors handed to c10d]: the threads hold no Python tensor
   op->data = tensor.is_contiguous() ? op->user : at::empty(tensor.sizes(), tensor.options());
   op->words = Words();
@@ -421,9 +450,7 @@ std::vector<std::string> PointToPoint::Pending() const {
   const Clock::time_point now = Clock::now();
   for (const std::shared_ptr<Op>& op : live_) {
     const double seconds = std::chrono::duration<double>(now - op->started).count();
-    std::ostringstream line;
-    line << op->what << ": " << op->step << " for " << seconds << " s";
-    lines.push_back(line.str());
+    lines.push_back(message_words::PendingLine(op->what, op->step, seconds));
   }
   return lines;
 }

@@ -52,6 +52,54 @@ namespace hvdlite {
 
 class PointToPoint;
 
+// What a process group's point-to-point calls go through: PointToPoint (below, over a Gloo
+// group) or ShmPointToPoint (shm_point_to_point.h, through the segment of a group whose ranks
+// share a host). Both keep the promises stated here and in PointToPoint's contract.
+class MessagePath {
+ public:
+  static constexpr int kAnySource = -1;
+  // The largest tag a user may pass: each tag takes four of the link's Gloo slots.
+  static constexpr int kMaxTag = (1 << 29) - 1;
+  virtual ~MessagePath() = default;
+  virtual c10::intrusive_ptr<c10d::Work> Send(const at::Tensor& tensor, int dst, int tag) = 0;
+  // `src`: a rank, or kAnySource.
+  virtual c10::intrusive_ptr<c10d::Work> Recv(const at::Tensor& tensor, int src, int tag) = 0;
+  // Fails every pending operation with `why` at once, and every later call.
+  virtual void Abort(const std::string& why) = 0;
+  // The operations in flight, one line each ("recv from rank 1 with tag 0: waiting 2.1 s"):
+  // who waits for whom (the stall report and the flight recorder's dump).
+  virtual std::vector<std::string> Pending() const = 0;
+  // c10d's error kind of the first operation that failed for its peer or the transport (a
+  // mismatch is the caller's error, not the group's): SUCCESS, TIMEOUT or COMM_ERROR.
+  virtual c10d::ErrorType error() const = 0;
+  // Called by a caller about to block on `future`: a path whose operations a waiting thread
+  // can move along may do so here for a while (Note [Waiting callers move messages along]).
+  virtual void BeforeWait(const c10::intrusive_ptr<c10::ivalue::Future>& future) {}
+  // Called by Work::isCompleted before it answers; returns nothing of interest.
+  virtual bool Poll() { return false; }
+};
+
+// The words that describe a message's tensor (a header, or a verdict), 16 int64: [0] magic,
+// [1] tag, [2] dtype, [3] dims, [4] bytes, [5] numel, [6] verdict (1: taken), [7..15] shape.
+namespace message_words {
+constexpr int64_t kMagic = 0x68766470'32703270;  // "hvdp2p2p"
+constexpr int kWords = 16;
+constexpr int kMaxDims = kWords - 7;
+void Describe(int64_t* words, const at::Tensor& t, int tag);
+// "Float [2, 3]"
+std::string Shown(const int64_t* words);
+// Dtype and element count agree (the shape may differ, as with Gloo).
+bool Agree(const int64_t* a, const int64_t* b);
+// The DistBackendError c10d raises, as an exception_ptr for a future.
+std::exception_ptr DistError(const std::string& message);
+// "send to rank 1 with tag 0", "recv from any rank with tag 3": an operation, for messages.
+std::string Name(bool send, int peer, int tag);
+// "recv from rank 1 with tag 0: waiting for rank 1 to send for 2.1 s": a pending operation.
+std::string PendingLine(const std::string& what, const std::string& step, double seconds);
+// Checks `tensor` for a point-to-point `what` ("send", "recv") with `peer` and `tag`.
+void CheckArguments(const char* what, const at::Tensor& tensor, int peer, int tag, int rank, int size);
+}  // namespace message_words
+
 // Blocks until `future` completes or `timeout` passes (<= 0: no limit); true if it completed.
 bool WaitFutureFor(const c10::intrusive_ptr<c10::ivalue::Future>& future, std::chrono::milliseconds timeout);
 
@@ -70,36 +118,29 @@ class P2PWork : public c10d::Work {
 
  private:
   friend class PointToPoint;
+  friend class ShmPointToPoint;
+  std::weak_ptr<MessagePath> path_;  // BeforeWait's; empty for the Gloo path
   const std::string what_;  // "recv from rank 1 with tag 0", for errors
   at::Tensor tensor_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> source_{-1};
 };
 
-class PointToPoint {
+class PointToPoint : public MessagePath {
  public:
-  static constexpr int kAnySource = -1;
-  // The largest tag a user may pass: each tag takes four of the link's Gloo slots.
-  static constexpr int kMaxTag = (1 << 29) - 1;
 
   // `link`: the Gloo group the messages travel through; `timeout`: how long a header or a
   // verdict is waited for (the process group's timeout).
   PointToPoint(c10::intrusive_ptr<c10d::Backend> link, int rank, int size, std::chrono::milliseconds timeout);
-  ~PointToPoint();
+  ~PointToPoint() override;
   PointToPoint(const PointToPoint&) = delete;
   PointToPoint& operator=(const PointToPoint&) = delete;
 
-  c10::intrusive_ptr<c10d::Work> Send(const at::Tensor& tensor, int dst, int tag);
-  // `src`: a rank, or kAnySource.
-  c10::intrusive_ptr<c10d::Work> Recv(const at::Tensor& tensor, int src, int tag);
-  // Fails every pending operation with `why` at once, and every later call.
-  void Abort(const std::string& why);
-  // The operations in flight, one line each ("recv from rank 1 with tag 0: waiting 2.1 s"):
-  // who waits for whom (the stall report and the flight recorder's dump).
-  std::vector<std::string> Pending() const;
-  // c10d's error kind of the first operation that failed for its peer or the transport (a
-  // mismatch is the caller's error, not the group's): SUCCESS, TIMEOUT or COMM_ERROR.
-  c10d::ErrorType error() const { return static_cast<c10d::ErrorType>(error_.load()); }
+  c10::intrusive_ptr<c10d::Work> Send(const at::Tensor& tensor, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> Recv(const at::Tensor& tensor, int src, int tag) override;
+  void Abort(const std::string& why) override;
+  std::vector<std::string> Pending() const override;
+  c10d::ErrorType error() const override { return static_cast<c10d::ErrorType>(error_.load()); }
 
  private:
   struct Op;

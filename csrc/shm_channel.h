@@ -118,6 +118,8 @@ class ShmChannel {
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
+  // The segment, for what else travels through it (Note [Point-to-point through shared memory]).
+  const ShmSegment& segment() const { return segment_; }
   // Note [Yield only while a caller waits] (shm_segment.h).
   void YieldWhile(const std::atomic<int>* count) { segment_.YieldWhile(count); }
   uint64_t waits_yielded() const { return segment_.waits_yielded(); }

@@ -1,5 +1,7 @@
 #include "shm_segment.h"
 
+#include "futex.h"
+
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -28,14 +30,6 @@ constexpr auto kSpin = std::chrono::microseconds(20);  // busy, before yielding
 constexpr auto kYield = std::chrono::microseconds(500);  // yielding, before sleeping on the futex
 constexpr int kCheckMs = 10;                           // a sleeper checks its peers this often
 
-inline void Relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 // The state letter of `pid` in /proc (R, S, D, T for stopped, t for traced, Z...), or 0.
@@ -50,15 +44,6 @@ char ProcessState(int64_t pid) {
 bool Alive(int64_t pid) {
   if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
   return ProcessState(pid) != 'Z';
-}
-
-void FutexWait(std::atomic<uint32_t>* word, uint32_t seen, int timeout_ms) {
-  timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
-}
-
-void FutexWakeAll(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 }  // namespace
@@ -78,7 +63,30 @@ int64_t ShmSegment::ChunkBytes(int size) {
 
 size_t ShmSegment::Bytes(int size, int64_t chunk_bytes) {
   const int64_t chunk = chunk_bytes > 0 ? chunk_bytes : ChunkBytes(size);
-  return HeaderBytes(size) + ControlBytes(size) + 2 * static_cast<size_t>(size + 1) * static_cast<size_t>(chunk);
+  return HeaderBytes(size) + ControlBytes(size) + 2 * static_cast<size_t>(size + 1) * static_cast<size_t>(chunk) +
+         MailboxBytes(size);
+}
+
+size_t ShmSegment::MailboxBytes(int size) {
+  // Note [Point-to-point through shared memory]: a line per rank and one for the floor probe,
+  // then a mailbox of 16 KB per ordered pair (its line and 16 slots of 1 KB).
+  if (size > kMailboxMaxRanks) return 0;
+  const size_t bytes = 64 * static_cast<size_t>(size + 1) + static_cast<size_t>(size) * size * (64 + 16 * 1024);
+  return (bytes + 4095) / 4096 * 4096;
+}
+
+char* ShmSegment::Mailbox() const {
+  if (MailboxBytes(size_) == 0) return nullptr;
+  return static_cast<char*>(base_) + bytes_ - MailboxBytes(size_);
+}
+
+bool ShmSegment::Running(int64_t pid) { return Alive(pid); }
+
+std::string ShmSegment::Why(int64_t pid) {
+  const char state = ProcessState(pid);
+  return state == 'T' || state == 't'
+             ? "(its process " + std::to_string(pid) + " is stopped: SIGSTOP, a debugger or a suspended job)"
+             : "(hung: its process " + std::to_string(pid) + " is alive)";
 }
 
 std::string ShmSegment::Create(const std::string& name, int size, int64_t chunk_bytes) {
@@ -224,11 +232,7 @@ void ShmSegment::Wait(uint64_t target) {
                                  ") exited (seen in the shared-memory channel)");
       }
       if (now > deadline) {
-        const char state = ProcessState(pids_[r]);
-        const std::string why = state == 'T' || state == 't'
-                                    ? " (its process " + std::to_string(pids_[r]) +
-                                          " is stopped: SIGSTOP, a debugger or a suspended job)"
-                                    : " (hung: its process " + std::to_string(pids_[r]) + " is alive)";
+        const std::string why = " " + Why(pids_[r]);
         throw std::runtime_error("rank " + std::to_string(ranks_[r]) + " did not reach the shared-memory channel within " +
                                  std::to_string(static_cast<int64_t>(timeout_seconds_)) + " s" + why);
       }

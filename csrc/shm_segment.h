@@ -12,7 +12,9 @@
 // line, then one 64-byte line per rank holding its arrival counter and its Inside word), the
 // control banks (two banks of kControlSlot per rank, Note [Control exchange through shared
 // memory] in shm_channel.h), then two data banks, each holding one slot per rank and one result
-// area of chunk_bytes() (4 MB, less for many ranks, so the segment stays near 32 MB).
+// area of chunk_bytes() (4 MB, less for many ranks, so the segment stays near 32 MB), then,
+// for at most kMailboxMaxRanks ranks, the point-to-point mailboxes (Note [Point-to-point
+// through shared memory] in shm_point_to_point.h), which ShmPointToPoint lays out.
 //
 // Note [Barrier waits]
 // A barrier wait spins briefly (20 us); then, while a caller of this rank waits on a handle
@@ -82,6 +84,14 @@ class ShmSegment {
   char* ControlSlot(int bank, int rank) const;
   char* Slot(int bank, int rank) const;
   char* Result(int bank) const { return Slot(bank, size_); }
+  // The point-to-point mailboxes' area (MailboxBytes(size()) bytes), or null past kMailboxMaxRanks.
+  static constexpr int kMailboxMaxRanks = 32;
+  static size_t MailboxBytes(int size);
+  char* Mailbox() const;
+  // False once `pid` has exited (a zombie has exited too); true when unsure.
+  static bool Running(int64_t pid);
+  // "(hung: its process P is alive)" or "(its process P is stopped: ...)", for timeouts.
+  static std::string Why(int64_t pid);
 
   // Note [Barrier waits]. Throws as the contract says; the caller aborts if it gives up.
   void Barrier();

@@ -99,9 +99,13 @@ std::vector<at::Tensor> TorchWork::result() {
 }
 
 TorchBackend::TorchBackend(std::shared_ptr<Engine> engine, c10::intrusive_ptr<c10d::Backend> link,
-                           std::chrono::milliseconds timeout)
+                           std::chrono::milliseconds timeout, std::shared_ptr<ShmChannel> messages)
     : c10d::Backend(engine->rank(), engine->size()), engine_(std::move(engine)) {
-  if (link) p2p_ = std::make_shared<PointToPoint>(std::move(link), rank_, size_, timeout);
+  if (messages && ShmPointToPoint::Usable(*messages)) {
+    p2p_ = ShmPointToPoint::Make(std::move(messages), timeout);
+  } else if (link) {
+    p2p_ = std::make_shared<PointToPoint>(std::move(link), rank_, size_, timeout);
+  }
   completer_ = std::thread([this] { CompleteLoop(); });
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -117,7 +121,7 @@ void TorchBackend::shutdown() {
     if (stopping_) return;
     stopping_ = true;
   }
-  std::shared_ptr<PointToPoint> p2p;
+  std::shared_ptr<MessagePath> p2p;
   {
     std::lock_guard<std::mutex> lock(mu_);
     p2p.swap(p2p_);
@@ -539,7 +543,7 @@ void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*wai
 
 // ---- point-to-point (Note [Point-to-point messages] in point_to_point.h) ---------------------
 
-std::shared_ptr<PointToPoint> TorchBackend::Messages(const char* what) {
+std::shared_ptr<MessagePath> TorchBackend::Messages(const char* what) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!stopping_, "hvdlite backend: ", what, " after the process group was shut down");
   TORCH_CHECK(p2p_ != nullptr, "hvdlite backend: ", what, ": this group has no point-to-point link");
@@ -558,7 +562,13 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::recv(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   TORCH_CHECK(tensors.size() == 1, "hvdlite backend: recv takes one tensor");
-  return Messages("recv")->Recv(tensors[0], PointToPoint::kAnySource, tag);
+  return Messages("recv")->Recv(tensors[0], MessagePath::kAnySource, tag);
+}
+
+std::string TorchBackend::pointToPointPath() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!p2p_) return "";
+  return dynamic_cast<ShmPointToPoint*>(p2p_.get()) != nullptr ? "shared_memory" : "gloo";
 }
 
 std::vector<std::string> TorchBackend::pendingPointToPoint() const {

@@ -48,6 +48,7 @@
 
 #include "engine.h"
 #include "point_to_point.h"
+#include "shm_point_to_point.h"
 
 namespace hvdlite {
 
@@ -79,8 +80,10 @@ class TorchBackend : public c10d::Backend {
  public:
   // `link`: the Gloo group point-to-point messages travel through (Note [Point-to-point
   // messages] in point_to_point.h), `timeout` the process group's.
+  // `messages`: the group's segment, when point-to-point may go through it (Note
+  // [Point-to-point through shared memory] in shm_point_to_point.h).
   TorchBackend(std::shared_ptr<Engine> engine, c10::intrusive_ptr<c10d::Backend> link,
-               std::chrono::milliseconds timeout);
+               std::chrono::milliseconds timeout, std::shared_ptr<ShmChannel> messages = nullptr);
   ~TorchBackend() override;
   const std::string getBackendName() const override { return "hvdlite"; }
   // Stops the engine and fails every pending operation; later calls raise.
@@ -92,6 +95,8 @@ class TorchBackend : public c10d::Backend {
   c10d::ErrorType getError() override;
   // The point-to-point operations in flight, one line each (who waits for whom).
   std::vector<std::string> pendingPointToPoint() const;
+  // "shared_memory", "gloo", or "" after shutdown: what carries send and recv.
+  std::string pointToPointPath() const;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -144,14 +149,14 @@ class TorchBackend : public c10d::Backend {
   EnqueueArgs Request(CollectiveKind kind, const at::Tensor& input, const at::Tensor& output) const;
   void CompleteLoop();
   // The point-to-point half, or a clear error (after shutdown, or a group made without one).
-  std::shared_ptr<PointToPoint> Messages(const char* what);
+  std::shared_ptr<MessagePath> Messages(const char* what);
   // Note [Engine behind a process group]: runs `complete` on an idle delivery thread, or on a
   // new one where every delivery thread is inside a callback.
   void Deliver(std::function<void()> complete);
   void DeliverLoop();
 
   std::shared_ptr<Engine> engine_;
-  std::shared_ptr<PointToPoint> p2p_;  // null after shutdown
+  std::shared_ptr<MessagePath> p2p_;  // null after shutdown
   std::atomic<int> error_{0};          // a c10d::ErrorType: the first failure's kind
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -72,8 +72,9 @@ def _create(store, rank, size, timeout):
     engine, groups = _groups.start_engine((store, "hvdlite/", loopback, settings), "engine", rank, size, peers,
                                           timeline_label=f"pg{len(_MADE)}")
     # Note [Point-to-point messages] (csrc/point_to_point.h): send and recv travel through the
-    # group's first CPU channel, pair by pair, beside the engine's collectives.
-    backend = _core.torch_backend(engine, groups.cpu[0], timeout.total_seconds())
+    # group's segment when every rank shares this host (Note [Point-to-point through shared
+    # memory]), else through its first CPU channel, pair by pair, beside the engine's collectives.
+    backend = _core.torch_backend(engine, groups.cpu[0], timeout.total_seconds(), groups.messages)
     from ._runtime import recorder as _recorder, state as _state
     # Note [Dump requests] (csrc/recorder.h): a dump signal reaches every rank through the
     # global engine; a job of torch.distributed groups only has the first group's engine do it.

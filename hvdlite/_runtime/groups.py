@@ -303,6 +303,10 @@ class EngineGroups(NamedTuple):
     cpu: list           # CPU data, TransportPlan.cpu_channels of them
     cuda: object        # NCCL for CUDA tensors, or None
     cross: object       # hierarchical only, or None
+    # the segment a torch.distributed group's send and recv may go through (every rank on this
+    # host, HVDLITE_SHM_POINT_TO_POINT=1: Note [Point-to-point through shared memory] in
+    # csrc/shm_point_to_point.h), or None
+    messages: object = None
 
 
 def timeline_for(settings, label):
@@ -353,4 +357,5 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
     if not _recorder.enabled():  # HVDLITE_FLIGHT_RECORDER=0 (Note [Dump files] in recorder.py)
         engine.set_recording(False)
     addresses.forget()  # the pairs read are connected; later ones read the store
-    return engine, EngineGroups(control, cpu, cuda, plan.cross)
+    messages = plan.shm if plan.route == "shared_memory" and options["shm_point_to_point"] else None
+    return engine, EngineGroups(control, cpu, cuda, plan.cross, messages)

@@ -1,5 +1,7 @@
-"""Point-to-point on the hvdlite backend (Note [Point-to-point messages] in
-csrc/point_to_point.h): send, recv, isend, irecv, recv from any source and batch_isend_irecv,
+"""Point-to-point on the hvdlite backend, through the group's shared-memory mailboxes (Note
+[Point-to-point through shared memory] in csrc/shm_point_to_point.h, the default on one host)
+and through Gloo (Note [Point-to-point messages] in csrc/point_to_point.h,
+HVDLITE_SHM_POINT_TO_POINT=0): send, recv, isend, irecv, recv from any source and batch_isend_irecv,
 each checked on every rank against values computed from the sender's rank and step, and run
 against a Gloo group in the same job, which must deliver the same; then the errors: a dtype or
 size mismatch on both ranks, a receive nothing matches, a peer lost while another waits, abort.
@@ -30,6 +32,15 @@ def _payload(src, dst, step, shape=(3, 5), dtype=torch.float32):
     if dtype in (torch.int8, torch.uint8):
         return (value.long() % 100).to(dtype)
     return value.to(dtype)
+
+
+# Which path carries a job's messages, and the setting that picks it.
+PATHS = {"shared_memory": None, "gloo": {"HVDLITE_SHM_POINT_TO_POINT": "0"}}
+
+
+def _path():
+    from hvdlite._runtime.native import _core
+    return _core.point_to_point_path(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")))
 
 
 def _init(seconds=60):
@@ -122,8 +133,9 @@ def _expected(rank, size):
     return want
 
 
-def _every_call():
+def _every_call(path):
     rank, size, gloo = _init()
+    assert _path() == path
     mine = _exchange(rank, size, None)
     theirs = _exchange(rank, size, gloo)
     want = _expected(rank, size)
@@ -131,19 +143,31 @@ def _every_call():
     for i, (m, t, w) in enumerate(zip(mine, theirs, want)):
         assert m.dtype == w.dtype and m.shape == w.shape and torch.equal(m, w), (i, m, w)
         assert torch.equal(t, w), ("gloo", i, t, w)
+    # one tag's messages keep their order while they arrive during the receiver's own posting
+    # (on shared memory a pass over the receives once handed a message to a later receive)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for rep in range(100):
+        works = [dist.isend(_payload(rank, right, rep, shape=(i + 1,)), right, tag=4) for i in range(5)]
+        intos = [torch.empty(i + 1) for i in range(5)]
+        works += [dist.irecv(into, left, tag=4) for into in intos]
+        for work in works:
+            work.wait()
+        for i, into in enumerate(intos):
+            assert torch.equal(into, _payload(left, rank, rep, shape=(i + 1,))), (rep, i, into)
     dist.destroy_process_group()
     return len(mine)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_every_point_to_point_call_matches_gloo_and_the_reference(size):
-    assert all(run_ranks(size, __name__, "_every_call", timeout=120))
+@pytest.mark.parametrize("size,path", [(2, "shared_memory"), (4, "shared_memory"), (4, "gloo")])
+def test_every_point_to_point_call_matches_gloo_and_the_reference(size, path):
+    assert all(run_ranks(size, __name__, "_every_call", path, timeout=120, env=PATHS[path]))
 
 
-def _beside_collectives():
+def _beside_collectives(path):
     """Rank 1 waits in a recv while ranks 0 and 1 run allreduces on the same group and another
     group's: nothing waits for the recv, and it completes when rank 0 finally sends."""
     rank, size, gloo = _init()
+    assert _path() == path
     other = dist.new_group(backend="hvdlite")
     if rank == 1:
         into = torch.empty(3)
@@ -170,12 +194,14 @@ def _beside_collectives():
     return True
 
 
-def test_a_pending_recv_stalls_no_collective():
-    assert all(run_ranks(2, __name__, "_beside_collectives", timeout=90))
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_pending_recv_stalls_no_collective(path):
+    assert all(run_ranks(2, __name__, "_beside_collectives", path, timeout=90, env=PATHS[path]))
 
 
-def _mismatch(kind):
+def _mismatch(kind, path):
     rank, size, _ = _init()
+    assert _path() == path
     peer = 1 - rank
     if kind == "size":
         out, into = torch.ones(4), torch.full((5,), -1.0)
@@ -199,9 +225,9 @@ def _mismatch(kind):
     return str(raised.value)
 
 
-@pytest.mark.parametrize("kind", ["size", "dtype"])
-def test_a_mismatched_recv_raises_on_both_ranks_naming_both(kind):
-    sender, receiver = run_ranks(2, __name__, "_mismatch", kind, timeout=90)
+@pytest.mark.parametrize("kind,path", [("size", "shared_memory"), ("dtype", "shared_memory"), ("size", "gloo")])
+def test_a_mismatched_recv_raises_on_both_ranks_naming_both(kind, path):
+    sender, receiver = run_ranks(2, __name__, "_mismatch", kind, path, timeout=90, env=PATHS[path])
     for message in (sender, receiver):
         assert "rank 0" in message and "rank 1" in message and "tag 3" in message, message
         assert "Float [4]" in message, message
@@ -210,8 +236,9 @@ def test_a_mismatched_recv_raises_on_both_ranks_naming_both(kind):
     assert receiver.startswith("hvdlite backend: recv from rank 0 with tag 3"), receiver
 
 
-def _unmatched():
+def _unmatched(path):
     rank, size, _ = _init(seconds=3)
+    assert _path() == path
     started = time.monotonic()
     if rank == 1:
         with pytest.raises(dist.DistBackendError, match="recv from rank 0 with tag 8: waiting for rank 0 to send: "
@@ -223,13 +250,15 @@ def _unmatched():
     return took
 
 
-def test_a_recv_nothing_matches_fails_at_the_group_timeout_naming_the_pair_and_tag():
-    took = run_ranks(2, __name__, "_unmatched", timeout=60)[1]
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_recv_nothing_matches_fails_at_the_group_timeout_naming_the_pair_and_tag(path):
+    took = run_ranks(2, __name__, "_unmatched", path, timeout=60, env=PATHS[path])[1]
     assert took < 30, took
 
 
-def _lost_peer():
+def _lost_peer(path):
     rank, size, _ = _init(seconds=300)
+    assert _path() == path
     if rank == 0:
         dist.send(torch.ones(1), 1)  # the pair is connected
         time.sleep(1.0)
@@ -241,13 +270,15 @@ def _lost_peer():
     return time.monotonic() - started
 
 
-def test_a_peer_lost_during_a_recv_fails_it_at_once_naming_the_peer():
-    took = Job(2, __name__, "_lost_peer").wait(timeout=60, allow_failure=(0,))[1]
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_peer_lost_during_a_recv_fails_it_at_once_naming_the_peer(path):
+    took = Job(2, __name__, "_lost_peer", path, env=PATHS[path]).wait(timeout=60, allow_failure=(0,))[1]
     assert took < 10, took
 
 
-def _aborted():
+def _aborted(path):
     rank, size, _ = _init(seconds=300)
+    assert _path() == path
     if rank == 1:
         pg = dist.distributed_c10d._get_default_group()
         backend = pg._get_backend(torch.device("cpu"))
@@ -265,6 +296,61 @@ def _aborted():
     return 0.0
 
 
-def test_abort_fails_a_pending_recv_at_once():
-    took = run_ranks(2, __name__, "_aborted", timeout=60)[1]
+@pytest.mark.parametrize("path", list(PATHS))
+def test_abort_fails_a_pending_recv_at_once(path):
+    took = run_ranks(2, __name__, "_aborted", path, timeout=60, env=PATHS[path])[1]
     assert took < 2.0, took
+
+
+def _more_than_the_slots():
+    """Note [Point-to-point through shared memory]: rank 0 sends 40 messages at once, more than
+    a pair's 16 slots, two tags, inline and single-copy sizes mixed, and waits for none before
+    rank 1 posts its receives, one tag's all before the other's: each tag's messages arrive in
+    the order sent, and every send completes."""
+    rank, size, _ = _init()
+    assert _path() == "shared_memory"
+    sizes = [3 if i % 3 else 300_000 for i in range(40)]  # 1.2 MB: past the inline bytes
+    if rank == 0:
+        works = [dist.isend(_payload(0, 1, i, shape=(sizes[i],)), 1, tag=i % 2) for i in range(40)]
+        dist.barrier()
+        for work in works:
+            work.wait()
+        return True
+    dist.barrier()
+    time.sleep(0.2)
+    order = [i for i in range(40) if i % 2 == 1] + [i for i in range(40) if i % 2 == 0]
+    intos = {i: torch.empty(sizes[i]) for i in order}
+    works = [dist.irecv(intos[i], 0, tag=i % 2) for i in order]
+    for work in works:
+        work.wait()
+    return all(torch.equal(intos[i], _payload(0, 1, i, shape=(sizes[i],))) for i in range(40))
+
+
+def test_more_messages_than_a_pairs_slots_keep_their_order():
+    assert all(run_ranks(2, __name__, "_more_than_the_slots", timeout=90))
+
+
+def _irecv_before_a_collective():
+    """Rank 1 posts an irecv and blocks in an allreduce; rank 0's blocking send of that message
+    must complete before rank 0 reaches the allreduce: rank 1's progress thread takes it while
+    no caller on rank 1 waits on any point-to-point work."""
+    rank, size, _ = _init()
+    assert _path() == "shared_memory"
+    t = torch.full((3,), float(rank))
+    if rank == 1:
+        into = torch.empty(5)
+        work = dist.irecv(into, 0, tag=7)
+        dist.all_reduce(t)
+        work.wait()
+        assert torch.equal(into, _payload(0, 1, 7, shape=(5,))), into
+    else:
+        time.sleep(0.2)
+        dist.send(_payload(0, 1, 7, shape=(5,)), 1, tag=7)
+        dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), 1.0))
+    dist.destroy_process_group()
+    return True
+
+
+def test_an_irecv_nobody_waits_on_is_taken_while_its_rank_blocks_in_a_collective():
+    assert all(run_ranks(2, __name__, "_irecv_before_a_collective", timeout=60))

@@ -1,0 +1,549 @@
+#include "shm_point_to_point.h"
+
+#include "backend_c10d.h"
+#include "shm_channel.h"
+#include "shm_segment.h"
+#include "futex.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+namespace hvdlite {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using message_words::kWords;
+
+constexpr auto kSpin = std::chrono::microseconds(20);    // Note [Waiting callers move messages along]
+constexpr auto kYield = std::chrono::microseconds(500);
+constexpr int kCheckMs = 10;  // peers' liveness and timeouts are checked this often
+// Note [Waiting callers move messages along]: how often the progress thread looks for new
+// operations while a caller spins or shortly after the last operation ended, and after how
+// long without operations it waits to be woken instead.
+constexpr auto kPoll = std::chrono::milliseconds(2);
+constexpr auto kPark = std::chrono::seconds(1);
+
+// A slot's states (Note [Point-to-point through shared memory]).
+enum : uint32_t { kEmpty = 0, kFull = 1, kClaimed = 2, kTaken = 3 };
+// A verdict's word 6: what the receiver did with the message.
+enum : int64_t { kRefused = 0, kAccepted = 1, kUnreadable = 2 };
+
+std::string Seconds(double s) {
+  std::ostringstream out;
+  out << s << " s";
+  return out.str();
+}
+
+}  // namespace
+
+struct ShmPointToPoint::Bell {
+  std::atomic<uint32_t> ring;     // bumped by every ring
+  std::atomic<int32_t> sleepers;  // threads asleep (or about to be) on `ring`
+  std::atomic<int32_t> closed;    // 1 once the rank's path closed (shutdown, abort, exit)
+  char unused[52];
+};
+
+struct ShmPointToPoint::Pair {
+  std::atomic<uint64_t> posted;  // 1 + the sequence number of the last message posted
+  char unused[56];
+};
+
+struct ShmPointToPoint::Mail {
+  std::atomic<uint32_t> state;
+  uint32_t unused0;
+  uint64_t seq;
+  uint64_t address;  // the sender's bytes, when they are not inline
+  int64_t unused1[5];
+  int64_t sent[kWords];    // the sender's words
+  int64_t answer[kWords];  // the receiver's words and verdict
+  char payload[kInline];
+};
+
+static_assert(sizeof(ShmPointToPoint::Bell) == 64, "a bell is a cache line");
+static_assert(sizeof(ShmPointToPoint::Pair) == 64, "a pair's count is a cache line");
+static_assert(sizeof(ShmPointToPoint::Mail) == ShmPointToPoint::kSlotBytes, "a slot is 1 KB");
+
+struct ShmPointToPoint::Op {
+  bool send = false;
+  int peer = kAnySource;  // the destination of a send, the source asked for by a receive
+  int tag = 0;
+  std::string what;       // "send to rank 1 with tag 0"
+  at::Tensor user;        // the caller's tensor
+  at::Tensor data;        // contiguous: the bytes sent, or where a receive lands
+  int64_t words[kWords];  // this side's tensor
+  c10::intrusive_ptr<P2PWork> work;
+  Clock::time_point started = Clock::now();
+  std::string step;
+  uint64_t seq = 0;  // sends: the number among this rank's sends to `peer`
+  int slot = -1;     // sends: the slot while posted
+  bool ended = false;
+  std::exception_ptr error;
+};
+
+bool ShmPointToPoint::Usable(const ShmChannel& channel) {
+  return channel.single_copy_enabled() && channel.segment().Mailbox() != nullptr && channel.segment().size() >= 2;
+}
+
+std::shared_ptr<ShmPointToPoint> ShmPointToPoint::Make(std::shared_ptr<ShmChannel> channel,
+                                                       std::chrono::milliseconds timeout) {
+  std::shared_ptr<ShmPointToPoint> path(new ShmPointToPoint(std::move(channel), timeout));
+  path->thread_ = std::thread([raw = path.get()] { raw->ProgressLoop(); });
+  return path;
+}
+
+ShmPointToPoint::ShmPointToPoint(std::shared_ptr<ShmChannel> channel, std::chrono::milliseconds timeout)
+    : channel_(std::move(channel)),
+      segment_(channel_->segment()),
+      rank_(segment_.rank()),
+      size_(segment_.size()),
+      timeout_(timeout),
+      area_(segment_.Mailbox()),
+      next_seq_(segment_.size(), 0),
+      posted_(segment_.size(), 0) {
+  if (area_ == nullptr) throw std::runtime_error("shared-memory point-to-point: the segment has no mailboxes");
+}
+
+ShmPointToPoint::~ShmPointToPoint() {
+  Abort("the process group was shut down");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  FutexWakeAll(&BellOf(rank_).ring);
+  if (thread_.joinable()) {
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();  // the last reference went in a callback on the progress thread
+    } else {
+      thread_.join();
+    }
+  }
+}
+
+ShmPointToPoint::Bell& ShmPointToPoint::BellOf(int rank) const {
+  return *reinterpret_cast<Bell*>(area_ + 64 * static_cast<size_t>(rank));
+}
+
+ShmPointToPoint::Pair& ShmPointToPoint::PairOf(int source, int destination) const {
+  const size_t pair_bytes = 64 + kSlots * kSlotBytes;
+  char* pairs = area_ + 64 * static_cast<size_t>(size_ + 1);
+  return *reinterpret_cast<Pair*>(pairs + (static_cast<size_t>(source) * size_ + destination) * pair_bytes);
+}
+
+namespace {
+ShmPointToPoint::Mail& SlotOf(void* pair, int i) {
+  return *reinterpret_cast<ShmPointToPoint::Mail*>(static_cast<char*>(pair) + 64 + i * ShmPointToPoint::kSlotBytes);
+}
+}  // namespace
+
+void ShmPointToPoint::Ring(int rank) {
+  Bell& bell = BellOf(rank);
+  bell.ring.fetch_add(1);
+  if (bell.sleepers.load() > 0) FutexWakeAll(&bell.ring);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Send(const at::Tensor& tensor, int dst, int tag) {
+  message_words::CheckArguments("send", tensor, dst, tag, rank_, size_);
+  auto op = std::make_shared<Op>();
+  op->send = true;
+  op->peer = dst;
+  op->tag = tag;
+  op->what = message_words::Name(true, dst, tag);
+  op->user = Unowned(tensor);  // Note [Tensors handed to c10d]
+  op->data = op->user.contiguous();
+  message_words::Describe(op->words, op->data, tag);
+  op->step = "waiting for a free slot to rank " + std::to_string(dst);
+  op->work = c10::make_intrusive<P2PWork>(rank_, c10d::OpType::SEND, op->what, op->user);
+  op->work->path_ = weak_from_this();
+  Start(op);
+  return op->work;
+}
+
+c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Recv(const at::Tensor& tensor, int src, int tag) {
+  message_words::CheckArguments("recv", tensor, src, tag, rank_, size_);
+  auto op = std::make_shared<Op>();
+  op->peer = src;
+  op->tag = tag;
+  op->what = message_words::Name(false, src, tag);
+  op->user = Unowned(tensor);
+  op->data = tensor.is_contiguous() ? op->user : at::empty(tensor.sizes(), tensor.options());
+  message_words::Describe(op->words, op->data, tag);
+  op->step = src == kAnySource ? "waiting for a send from any rank" : "waiting for rank " + std::to_string(src) + " to send";
+  op->work = c10::make_intrusive<P2PWork>(rank_, src == kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+                                          op->what, op->user);
+  op->work->path_ = weak_from_this();
+  Start(op);
+  return op->work;
+}
+
+void ShmPointToPoint::Start(const std::shared_ptr<Op>& op) {
+  std::vector<std::shared_ptr<Op>> ended;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(aborted_.empty(), "hvdlite backend: ", op->what, ": ", aborted_);
+    if (op->send) op->seq = next_seq_[op->peer]++;
+    live_.push_back(op);
+    Progress(&ended);  // a send posts now; a receive takes a message already there
+  }
+  Complete(ended);
+  // Note [Waiting callers move messages along]: the progress thread looks within kPoll; only a
+  // parked one is woken (a wake per message was most of a small message's time).
+  if (!op->ended && parked_.load()) cv_.notify_all();
+}
+
+bool ShmPointToPoint::Progress(std::vector<std::shared_ptr<Op>>* ended) {
+  bool did = false;
+  for (const std::shared_ptr<Op>& op : live_) {
+    if (op->send && !op->ended) did |= ReapSend(*op);
+  }
+  did |= PostSends(ended);
+  // Note [Point-to-point through shared memory]: every receive of this pass sees the messages
+  // below the same counts, read once, so a message that arrives during the pass cannot go to a
+  // later receive after an earlier one looked for it and found nothing.
+  bool receiving = false;
+  for (const std::shared_ptr<Op>& op : live_) receiving |= !op->send && !op->ended;
+  if (receiving) {
+    for (int source = 0; source < size_; ++source) {
+      posted_[source] = source == rank_ ? 0 : PairOf(source, rank_).posted.load(std::memory_order_acquire);
+    }
+    for (const std::shared_ptr<Op>& op : live_) {
+      if (!op->send && !op->ended) did |= MatchReceive(op);
+    }
+  }
+  for (const std::shared_ptr<Op>& op : live_) {
+    if (op->ended) ended->push_back(op);
+  }
+  if (!ended->empty()) {
+    live_.erase(std::remove_if(live_.begin(), live_.end(), [](const std::shared_ptr<Op>& op) { return op->ended; }),
+                live_.end());
+  }
+  return did;
+}
+
+bool ShmPointToPoint::PostSends(std::vector<std::shared_ptr<Op>>* /*ended*/) {
+  bool did = false;
+  std::vector<char> blocked(size_, 0);  // a destination whose earlier send found no slot
+  for (const std::shared_ptr<Op>& op : live_) {
+    if (!op->send || op->ended || op->slot >= 0 || blocked[op->peer]) continue;
+    Pair& pair = PairOf(rank_, op->peer);
+    int free = -1;
+    for (int i = 0; i < kSlots && free < 0; ++i) {
+      if (SlotOf(&pair, i).state.load(std::memory_order_acquire) == kEmpty) free = i;
+    }
+    if (free < 0) {
+      blocked[op->peer] = 1;
+      continue;
+    }
+    Mail& mail = SlotOf(&pair, free);
+    const int64_t bytes = op->words[4];
+    mail.seq = op->seq;
+    std::memcpy(mail.sent, op->words, sizeof(op->words));
+    if (bytes <= kInline) {
+      if (bytes > 0) std::memcpy(mail.payload, op->data.data_ptr(), static_cast<size_t>(bytes));
+      mail.address = 0;
+    } else {
+      mail.address = reinterpret_cast<uint64_t>(op->data.data_ptr());
+    }
+    mail.state.store(kFull, std::memory_order_release);
+    pair.posted.store(op->seq + 1, std::memory_order_release);
+    Ring(op->peer);
+    op->slot = free;
+    op->step = "waiting for rank " + std::to_string(op->peer) + " to receive it";
+    did = true;
+  }
+  return did;
+}
+
+bool ShmPointToPoint::MatchReceive(const std::shared_ptr<Op>& op) {
+  for (int k = 0; k < size_; ++k) {
+    const int source = op->peer == kAnySource ? k : op->peer;
+    if (source == rank_) continue;
+    Pair& pair = PairOf(source, rank_);
+    for (;;) {
+      // Note [Point-to-point through shared memory]: every message numbered below the count
+      // read first is visible; among those of the tag, the earliest.
+      const uint64_t posted = posted_[source];
+      Mail* best = nullptr;
+      for (int i = 0; i < kSlots; ++i) {
+        Mail& mail = SlotOf(&pair, i);
+        if (mail.state.load(std::memory_order_acquire) != kFull || mail.seq >= posted || mail.sent[1] != op->tag) continue;
+        if (best == nullptr || mail.seq < best->seq) best = &mail;
+      }
+      if (best == nullptr) break;
+      uint32_t full = kFull;
+      if (!best->state.compare_exchange_strong(full, kClaimed, std::memory_order_acq_rel)) continue;  // withdrawn
+      Take(*op, source, *best);
+      return true;
+    }
+    if (op->peer != kAnySource) break;
+  }
+  return false;
+}
+
+void ShmPointToPoint::Take(Op& op, int source, Mail& mail) {
+  const std::string peer = "rank " + std::to_string(source);
+  const bool agree = mail.sent[0] == message_words::kMagic && message_words::Agree(mail.sent, op.words);
+  const int64_t bytes = mail.sent[4];
+  std::string unreadable;
+  if (agree && bytes > 0) {
+    char* into = static_cast<char*>(op.data.data_ptr());
+    if (bytes <= kInline) {
+      std::memcpy(into, mail.payload, static_cast<size_t>(bytes));
+    } else {
+      // Note [Point-to-point through shared memory]: one copy, straight from the sender's tensor.
+      int64_t done = 0;
+      while (done < bytes) {
+        iovec local{into + done, static_cast<size_t>(bytes - done)};
+        iovec remote{reinterpret_cast<void*>(mail.address + done), static_cast<size_t>(bytes - done)};
+        const ssize_t moved = process_vm_readv(static_cast<pid_t>(segment_.pid(source)), &local, 1, &remote, 1, 0);
+        if (moved <= 0) {
+          unreadable = "reading " + std::to_string(bytes) + " bytes from " + peer + " failed: " + std::strerror(errno);
+          break;
+        }
+        done += moved;
+      }
+    }
+  }
+  std::memcpy(mail.answer, op.words, sizeof(op.words));
+  mail.answer[6] = !agree ? kRefused : unreadable.empty() ? kAccepted : kUnreadable;
+  mail.state.store(kTaken, std::memory_order_release);
+  Ring(source);
+  op.work->source_.store(source);
+  if (!unreadable.empty()) {
+    Fail(op, unreadable, c10d::ErrorType::COMM_ERROR);
+  } else if (!agree) {
+    Fail(op, peer + " sent " + message_words::Shown(mail.sent) + ", but rank " + std::to_string(rank_) +
+                 " receives into " + message_words::Shown(op.words) + ": the dtype or the number of elements differs",
+         c10d::ErrorType::SUCCESS);
+  } else {
+    if (!op.data.is_same(op.user)) op.user.copy_(op.data);
+    op.ended = true;
+  }
+}
+
+bool ShmPointToPoint::ReapSend(Op& op) {
+  if (op.slot < 0) return false;
+  Mail& mail = SlotOf(&PairOf(rank_, op.peer), op.slot);
+  if (mail.state.load(std::memory_order_acquire) != kTaken) return false;
+  const std::string peer = "rank " + std::to_string(op.peer);
+  const int64_t verdict = mail.answer[6];
+  const std::string theirs = message_words::Shown(mail.answer);
+  mail.state.store(kEmpty, std::memory_order_release);
+  op.slot = -1;
+  if (verdict == kAccepted) {
+    op.ended = true;
+  } else if (verdict == kUnreadable) {
+    Fail(op, peer + " could not read the message from this process's memory", c10d::ErrorType::COMM_ERROR);
+  } else {
+    Fail(op, peer + " receives into " + theirs + ", but rank " + std::to_string(rank_) + " sent " +
+                 message_words::Shown(op.words) + ": the dtype or the number of elements differs",
+         c10d::ErrorType::SUCCESS);
+  }
+  return true;
+}
+
+void ShmPointToPoint::Fail(Op& op, const std::string& why, c10d::ErrorType kind) {
+  if (op.send && op.slot >= 0) {  // withdraw it, unless the receiver is reading it
+    uint32_t full = kFull;
+    if (SlotOf(&PairOf(rank_, op.peer), op.slot).state.compare_exchange_strong(full, kEmpty)) op.slot = -1;
+  }
+  op.error = message_words::DistError("hvdlite backend: " + op.what + ": " + why);
+  op.ended = true;
+  if (kind != c10d::ErrorType::SUCCESS) {
+    int none = 0;
+    error_.compare_exchange_strong(none, static_cast<int>(kind));
+  }
+}
+
+void ShmPointToPoint::CheckPeers(std::vector<std::shared_ptr<Op>>* ended) {
+  const Clock::time_point now = Clock::now();
+  for (const std::shared_ptr<Op>& op : live_) {
+    if (op->ended) continue;
+    for (int peer = 0; peer < size_ && !op->ended; ++peer) {
+      if (peer == rank_ || (op->peer != kAnySource && op->peer != peer)) continue;
+      const std::string name = "rank " + std::to_string(peer);
+      const int64_t pid = segment_.pid(peer);
+      if (op->send && op->slot >= 0 &&
+          SlotOf(&PairOf(rank_, op->peer), op->slot).state.load() == kClaimed && ShmSegment::Running(pid)) {
+        continue;  // being read now
+      }
+      if (!ShmSegment::Running(pid)) {
+        op->slot = -1;  // nobody will read it
+        Fail(*op, name + " (pid " + std::to_string(pid) + ") exited", c10d::ErrorType::COMM_ERROR);
+      } else if (BellOf(peer).closed.load() != 0) {
+        Fail(*op, name + " shut down or aborted its process group", c10d::ErrorType::COMM_ERROR);
+      }
+    }
+    if (!op->ended && timeout_.count() > 0 && now - op->started > timeout_) {
+      const std::string waited = Seconds(std::chrono::duration<double>(timeout_).count());
+      const std::string why =
+          op->peer == kAnySource ? "" : " " + ShmSegment::Why(segment_.pid(op->peer));
+      Fail(*op, op->step + ": still waiting after " + waited + " (the process group's timeout)" + why,
+           c10d::ErrorType::TIMEOUT);
+    }
+  }
+  Progress(ended);  // gathers the ones failed here
+}
+
+void ShmPointToPoint::Complete(std::vector<std::shared_ptr<Op>>& ended) {
+  for (const std::shared_ptr<Op>& op : ended) {
+    if (op->error) {
+      op->work->future_->setError(op->error);
+    } else {
+      op->work->future_->markCompleted(c10::IValue(std::vector<at::Tensor>{op->user}));
+    }
+  }
+  ended.clear();
+}
+
+bool ShmPointToPoint::TryProgress() {
+  std::vector<std::shared_ptr<Op>> ended;
+  bool did = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return false;
+    did = Progress(&ended);
+  }
+  Complete(ended);
+  return did;
+}
+
+void ShmPointToPoint::BeforeWait(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+  spinners_.fetch_add(1);
+  const Clock::time_point start = Clock::now();
+  unsigned spins = 0;
+  while (!future->completed()) {
+    if (TryProgress()) continue;
+    Relax();
+    if ((++spins & 63) != 0) continue;
+    const auto waited = Clock::now() - start;
+    if (waited < kSpin) continue;
+    if (waited >= kYield) break;
+    sched_yield();
+  }
+  spinners_.fetch_sub(1);
+  if (!future->completed()) cv_.notify_all();  // the progress thread watches the doorbell from now on
+}
+
+bool ShmPointToPoint::Poll() {
+  TryProgress();
+  return true;
+}
+
+void ShmPointToPoint::ProgressLoop() {
+  Bell& me = BellOf(rank_);
+  Clock::time_point last_check = Clock::now();
+  std::vector<std::shared_ptr<Op>> ended;
+  std::unique_lock<std::mutex> lock(mu_);
+  Clock::time_point busy = Clock::now();  // when an operation was last live
+  while (!stopping_) {
+    if (live_.empty()) {
+      if (Clock::now() - busy < kPark) {
+        cv_.wait_for(lock, kPoll);
+      } else {
+        parked_.store(true);
+        cv_.wait(lock, [this] { return stopping_ || !live_.empty(); });
+        parked_.store(false);
+      }
+      continue;
+    }
+    busy = Clock::now();
+    if (Clock::now() - last_check >= std::chrono::milliseconds(kCheckMs)) {
+      CheckPeers(&ended);
+      last_check = Clock::now();
+    }
+    bool did = !ended.empty();
+    const bool spinning = spinners_.load() > 0;
+    if (!spinning) {
+      const uint32_t seen = me.ring.load();
+      me.sleepers.fetch_add(1);
+      did |= Progress(&ended);
+      lock.unlock();
+      Complete(ended);
+      if (!did) FutexWait(&me.ring, seen, kCheckMs);
+      me.sleepers.fetch_sub(1);
+      lock.lock();
+    } else {
+      lock.unlock();
+      Complete(ended);
+      lock.lock();
+      // Note [Waiting callers move messages along]: a spinning caller watches the doorbell.
+      if (spinners_.load() > 0 && !stopping_) cv_.wait_for(lock, kPoll);
+    }
+  }
+}
+
+void ShmPointToPoint::Abort(const std::string& why) {
+  std::vector<std::shared_ptr<Op>> ended;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.empty()) aborted_ = why.empty() ? "aborted" : why;
+    for (const std::shared_ptr<Op>& op : live_) {
+      if (!op->ended) Fail(*op, aborted_, c10d::ErrorType::COMM_ERROR);
+    }
+    Progress(&ended);
+  }
+  Complete(ended);
+  BellOf(rank_).closed.store(1);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_) Ring(peer);
+  }
+  cv_.notify_all();
+}
+
+std::vector<std::string> ShmPointToPoint::Pending() const {
+  std::vector<std::string> lines;
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point now = Clock::now();
+  for (const std::shared_ptr<Op>& op : live_) {
+    const double seconds = std::chrono::duration<double>(now - op->started).count();
+    lines.push_back(message_words::PendingLine(op->what, op->step, seconds));
+  }
+  return lines;
+}
+
+double ShmPointToPoint::PingPongFloor(const ShmChannel& channel, int rounds) {
+  const ShmSegment& segment = channel.segment();
+  char* area = segment.Mailbox();
+  if (area == nullptr || segment.rank() > 1 || rounds <= 0) return 0.0;
+  auto* words = reinterpret_cast<std::atomic<uint64_t>*>(area + 64 * static_cast<size_t>(segment.size()));
+  std::atomic<uint64_t>& ping = words[0];
+  std::atomic<uint64_t>& pong = words[1];
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(30);
+  auto await = [&](std::atomic<uint64_t>& word, uint64_t value) {
+    unsigned spins = 0;
+    while (word.load(std::memory_order_acquire) != value) {
+      Relax();
+      if ((++spins & 1023) == 0 && Clock::now() > deadline) {
+        throw std::runtime_error("ping_pong_floor: the other rank did not answer within 30 s");
+      }
+    }
+  };
+  const uint64_t base = segment.rank() == 0 ? ping.load() : pong.load();
+  const Clock::time_point start = Clock::now();
+  for (int i = 1; i <= rounds; ++i) {
+    if (segment.rank() == 0) {
+      ping.store(base + i, std::memory_order_release);
+      await(pong, base + i);
+    } else {
+      await(ping, base + i);
+      pong.store(base + i, std::memory_order_release);
+    }
+  }
+  return std::chrono::duration<double>(Clock::now() - start).count() / rounds / 2;
+}
+
+}  // namespace hvdlite
