@@ -1,13 +1,14 @@
 """Point-to-point on the hvdlite backend against a Gloo group, side by side in one job.
 
-    hvdliterun -np 2 python bench/point_to_point.py [--rounds 7] [--width 1024] [--layers 8]
+    hvdliterun -np 2 python bench/point_to_point.py [--rounds 7] [--batch-size 64]
 
 The default process group is init_process_group("hvdlite"); a second group uses Gloo. Timed
 interleaved round by round, medians over the rounds, ratios hvdlite / Gloo (lower is better):
   - a 4-byte ping-pong (send then recv, one way: half a round trip);
   - a 16 MB send and recv (one way);
-  - a Schedule1F1B step of an MLP (--layers Linear layers of --width, 8 micro-batches of 16
-    rows), one stage per rank, each group's schedule built over the same weights.
+  - a Schedule1F1B step of bench/training.py's MLP (1024-4096-4096-1024), cut after its second
+    layer (stage 0: two layers, stage 1: the last; 4096 floats per row between them), a batch
+    of --batch-size rows in 8 micro-batches, each group's schedule built over the same weights.
 The floor: a ping-pong of one word through a shared-memory segment between the two processes
 (ShmChannel.ping_pong_floor, spinning on both sides), measured in the same rounds, in one
 native loop and with one call from Python per round trip (what any transport called from
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hvdlite  # noqa: F401  (registers the backend)
+import _common  # bench/_common.py: the MLP of bench/training.py
 from hvdlite._runtime.native import _core
 
 
@@ -42,15 +44,14 @@ def ping_pong(group, tensor, n):
     return (time.perf_counter() - start) / n / 2
 
 
-def pipeline(group, width, layers, rank):
+def pipeline(group, batch, rank):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    half = layers // 2
-    part = nn.Sequential(*list(model)[rank * half:(rank + 1) * half])
+    layers = list(_common.MLP().net)
+    part = nn.Sequential(*(layers[:4] if rank == 0 else layers[4:]))
     stage = PipelineStage(part, rank, 2, torch.device("cpu"), group=group)
     schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=nn.MSELoss())
-    x, y = torch.randn(128, width), torch.randn(128, width)
+    x, y = torch.randn(batch, 1024), torch.randn(batch, 1024)
 
     def step():
         if rank == 0:
@@ -88,8 +89,7 @@ def timed(step, n):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=64, help="rows per step (8 micro-batches)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("hvdlite")
@@ -98,7 +98,7 @@ def main():
     gloo = dist.new_group(backend="gloo")
     groups = {"hvdlite": None, "gloo": gloo}
     small, large = torch.ones(1), torch.ones(4 << 20)
-    steps = {name: pipeline(group, args.width, args.layers, rank) for name, group in groups.items()}
+    steps = {name: pipeline(group, args.batch_size, rank) for name, group in groups.items()}
     channel = floor_channel(rank)
     path = _core.point_to_point_path(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")))
     floor = []

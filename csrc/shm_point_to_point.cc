@@ -37,7 +37,25 @@ constexpr auto kPoll = std::chrono::milliseconds(2);
 constexpr auto kPark = std::chrono::seconds(1);
 
 // A slot's states (Note [Point-to-point through shared memory]).
-enum : uint32_t { kEmpty = 0, kFull = 1, kClaimed = 2, kTaken = 3 };
+enum : uint32_t { kEmpty = 0, kFull = 1, kClaimed = 2, kTaken = 3, kCopying = 4 };
+// Note [Large messages copied from both ends]: from this size, in chunks of kChunk.
+constexpr int64_t kSharedCopyMin = 1 << 20;
+constexpr int64_t kChunk = 512 << 10;
+
+// Copies `bytes` at `offset` between this process's `local` and `pid`'s `remote` (read: from
+// remote into local; else the other way); "" or what went wrong.
+std::string CopyWith(int64_t pid, bool read, char* local, uint64_t remote, int64_t offset, int64_t bytes) {
+  int64_t done = 0;
+  while (done < bytes) {
+    iovec mine{local + offset + done, static_cast<size_t>(bytes - done)};
+    iovec theirs{reinterpret_cast<void*>(remote + offset + done), static_cast<size_t>(bytes - done)};
+    const ssize_t moved = read ? process_vm_readv(static_cast<pid_t>(pid), &mine, 1, &theirs, 1, 0)
+                               : process_vm_writev(static_cast<pid_t>(pid), &mine, 1, &theirs, 1, 0);
+    if (moved <= 0) return std::strerror(errno);
+    done += moved;
+  }
+  return "";
+}
 // A verdict's word 6: what the receiver did with the message.
 enum : int64_t { kRefused = 0, kAccepted = 1, kUnreadable = 2 };
 
@@ -63,10 +81,15 @@ struct ShmPointToPoint::Pair {
 
 struct ShmPointToPoint::Mail {
   std::atomic<uint32_t> state;
-  uint32_t unused0;
+  std::atomic<uint32_t> failed;  // kCopying: a chunk the sender copied failed
   uint64_t seq;
   uint64_t address;  // the sender's bytes, when they are not inline
-  int64_t unused1[5];
+  // kCopying (Note [Large messages copied from both ends]): the receiver's bytes, and how many
+  // bytes either side has claimed and copied so far
+  uint64_t into;
+  std::atomic<uint64_t> claimed;
+  std::atomic<uint64_t> copied;
+  int64_t unused[2];
   int64_t sent[kWords];    // the sender's words
   int64_t answer[kWords];  // the receiver's words and verdict
   char payload[kInline];
@@ -207,7 +230,7 @@ void ShmPointToPoint::Start(const std::shared_ptr<Op>& op) {
 bool ShmPointToPoint::Progress(std::vector<std::shared_ptr<Op>>* ended) {
   bool did = false;
   for (const std::shared_ptr<Op>& op : live_) {
-    if (op->send && !op->ended) did |= ReapSend(*op);
+    if (op->send && !op->ended) did |= HelpCopy(*op) || ReapSend(*op);
   }
   did |= PostSends(ended);
   // Note [Point-to-point through shared memory]: every receive of this pass sees the messages
@@ -302,19 +325,12 @@ void ShmPointToPoint::Take(Op& op, int source, Mail& mail) {
     char* into = static_cast<char*>(op.data.data_ptr());
     if (bytes <= kInline) {
       std::memcpy(into, mail.payload, static_cast<size_t>(bytes));
-    } else {
+    } else if (bytes < kSharedCopyMin) {
       // Note [Point-to-point through shared memory]: one copy, straight from the sender's tensor.
-      int64_t done = 0;
-      while (done < bytes) {
-        iovec local{into + done, static_cast<size_t>(bytes - done)};
-        iovec remote{reinterpret_cast<void*>(mail.address + done), static_cast<size_t>(bytes - done)};
-        const ssize_t moved = process_vm_readv(static_cast<pid_t>(segment_.pid(source)), &local, 1, &remote, 1, 0);
-        if (moved <= 0) {
-          unreadable = "reading " + std::to_string(bytes) + " bytes from " + peer + " failed: " + std::strerror(errno);
-          break;
-        }
-        done += moved;
-      }
+      const std::string error = CopyWith(segment_.pid(source), true, into, mail.address, 0, bytes);
+      if (!error.empty()) unreadable = "reading " + std::to_string(bytes) + " bytes from " + peer + " failed: " + error;
+    } else {
+      unreadable = CopyShared(source, mail, into, bytes);
     }
   }
   std::memcpy(mail.answer, op.words, sizeof(op.words));
@@ -332,6 +348,59 @@ void ShmPointToPoint::Take(Op& op, int source, Mail& mail) {
     if (!op.data.is_same(op.user)) op.user.copy_(op.data);
     op.ended = true;
   }
+}
+
+std::string ShmPointToPoint::CopyShared(int source, Mail& mail, char* into, int64_t bytes) {
+  // Note [Large messages copied from both ends]
+  mail.into = reinterpret_cast<uint64_t>(into);
+  mail.claimed.store(0);
+  mail.copied.store(0);
+  mail.failed.store(0);
+  mail.state.store(kCopying, std::memory_order_release);
+  Ring(source);
+  const int64_t pid = segment_.pid(source);
+  std::string error;
+  for (;;) {
+    const int64_t offset = static_cast<int64_t>(mail.claimed.fetch_add(kChunk));
+    if (offset >= bytes) break;
+    const int64_t length = std::min(kChunk, bytes - offset);
+    if (error.empty()) error = CopyWith(pid, true, into, mail.address, offset, length);
+    mail.copied.fetch_add(static_cast<uint64_t>(length));
+  }
+  // the sender may still be copying its last chunk
+  unsigned spins = 0;
+  const Clock::time_point start = Clock::now();
+  while (static_cast<int64_t>(mail.copied.load(std::memory_order_acquire)) < bytes) {
+    Relax();
+    if ((++spins & 4095) != 0) continue;
+    if (!ShmSegment::Running(pid)) return "rank " + std::to_string(source) + " exited while its message was being copied";
+    if (timeout_.count() > 0 && Clock::now() - start > timeout_) {
+      return "rank " + std::to_string(source) + " did not finish copying its message within the process group's timeout " +
+             ShmSegment::Why(pid);
+    }
+  }
+  if (!error.empty()) return "reading " + std::to_string(bytes) + " bytes from rank " + std::to_string(source) + " failed: " + error;
+  if (mail.failed.load() != 0) return "rank " + std::to_string(source) + " could not write its message into this process";
+  return "";
+}
+
+bool ShmPointToPoint::HelpCopy(Op& op) {
+  if (op.slot < 0) return false;
+  Mail& mail = SlotOf(&PairOf(rank_, op.peer), op.slot);
+  if (mail.state.load(std::memory_order_acquire) != kCopying) return false;
+  // Note [Large messages copied from both ends]: this side's chunks go by process_vm_writev.
+  const int64_t bytes = op.words[4];
+  char* from = static_cast<char*>(op.data.data_ptr());
+  bool did = false;
+  for (;;) {
+    const int64_t offset = static_cast<int64_t>(mail.claimed.fetch_add(kChunk));
+    if (offset >= bytes) break;
+    const int64_t length = std::min(kChunk, bytes - offset);
+    if (!CopyWith(segment_.pid(op.peer), false, from, mail.into, offset, length).empty()) mail.failed.store(1);
+    mail.copied.fetch_add(static_cast<uint64_t>(length), std::memory_order_release);
+    did = true;
+  }
+  return did;
 }
 
 bool ShmPointToPoint::ReapSend(Op& op) {
@@ -377,7 +446,7 @@ void ShmPointToPoint::CheckPeers(std::vector<std::shared_ptr<Op>>* ended) {
       const std::string name = "rank " + std::to_string(peer);
       const int64_t pid = segment_.pid(peer);
       if (op->send && op->slot >= 0 &&
-          SlotOf(&PairOf(rank_, op->peer), op->slot).state.load() == kClaimed && ShmSegment::Running(pid)) {
+          SlotOf(&PairOf(rank_, op->peer), op->slot).state.load() >= kClaimed && ShmSegment::Running(pid)) {
         continue;  // being read now
       }
       if (!ShmSegment::Running(pid)) {
