@@ -428,12 +428,15 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "torch_backend",
       [](std::shared_ptr<Engine> engine, std::optional<c10::intrusive_ptr<c10d::Backend>> link,
-         double timeout_s, std::shared_ptr<ShmChannel> messages) -> c10::intrusive_ptr<c10d::Backend> {
+         double timeout_s, std::shared_ptr<ShmChannel> messages,
+         std::optional<c10::intrusive_ptr<c10d::Backend>> cuda_link) -> c10::intrusive_ptr<c10d::Backend> {
         return c10::make_intrusive<TorchBackend>(
             std::move(engine), link ? *link : c10::intrusive_ptr<c10d::Backend>(),
-            std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)), std::move(messages));
+            std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)), std::move(messages),
+            cuda_link ? *cuda_link : c10::intrusive_ptr<c10d::Backend>());
       },
-      py::arg("engine"), py::arg("link") = py::none(), py::arg("timeout_s") = 1800.0, py::arg("messages") = nullptr);
+      py::arg("engine"), py::arg("link") = py::none(), py::arg("timeout_s") = 1800.0, py::arg("messages") = nullptr,
+      py::arg("cuda_link") = py::none());
   m.def(
       "point_to_point_path",
       [](c10::intrusive_ptr<c10d::Backend> backend) {

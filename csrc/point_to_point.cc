@@ -104,7 +104,7 @@ void CheckArguments(const char* what, const at::Tensor& tensor, int peer, int ta
   TORCH_CHECK(tag >= 0 && tag <= MessagePath::kMaxTag, "hvdlite backend: ", what, ": tag ", tag, " is outside 0..",
               MessagePath::kMaxTag);
   TORCH_CHECK(tensor.device().is_cpu(), "hvdlite backend: ", what, send ? " of a " : " into a ", tensor.device().str(),
-              " tensor: point-to-point carries CPU tensors (use a gloo or nccl group for others)");
+              " tensor: point-to-point carries CPU and CUDA tensors");
   TORCH_CHECK(tensor.dim() <= kMaxDims, "hvdlite backend: ", what, ": a tensor of ", tensor.dim(),
               " dimensions (at most ", kMaxDims, ")");
 }

@@ -122,9 +122,7 @@ bool ShmPointToPoint::Usable(const ShmChannel& channel) {
 
 std::shared_ptr<ShmPointToPoint> ShmPointToPoint::Make(std::shared_ptr<ShmChannel> channel,
                                                        std::chrono::milliseconds timeout) {
-  std::shared_ptr<ShmPointToPoint> path(new ShmPointToPoint(std::move(channel), timeout));
-  path->thread_ = std::thread([raw = path.get()] { raw->ProgressLoop(); });
-  return path;
+  return std::shared_ptr<ShmPointToPoint>(new ShmPointToPoint(std::move(channel), timeout));
 }
 
 ShmPointToPoint::ShmPointToPoint(std::shared_ptr<ShmChannel> channel, std::chrono::milliseconds timeout)
@@ -143,7 +141,7 @@ ShmPointToPoint::~ShmPointToPoint() {
   Abort("the process group was shut down");
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
+    stopping_ = true;  // no thread starts after this
   }
   cv_.notify_all();
   FutexWakeAll(&BellOf(rank_).ring);
@@ -219,6 +217,8 @@ void ShmPointToPoint::Start(const std::shared_ptr<Op>& op) {
     TORCH_CHECK(aborted_.empty(), "hvdlite backend: ", op->what, ": ", aborted_);
     if (op->send) op->seq = next_seq_[op->peer]++;
     live_.push_back(op);
+    // the progress thread starts with the first operation: a group that never sends has none
+    if (!thread_.joinable() && !stopping_) thread_ = std::thread([this] { ProgressLoop(); });
     Progress(&ended);  // a send posts now; a receive takes a message already there
   }
   Complete(ended);
@@ -318,8 +318,10 @@ bool ShmPointToPoint::MatchReceive(const std::shared_ptr<Op>& op) {
 
 void ShmPointToPoint::Take(Op& op, int source, Mail& mail) {
   const std::string peer = "rank " + std::to_string(source);
-  const bool agree = mail.sent[0] == message_words::kMagic && message_words::Agree(mail.sent, op.words);
-  const int64_t bytes = mail.sent[4];
+  // the byte count is compared too, so a malformed message can never copy past this tensor
+  const bool agree = mail.sent[0] == message_words::kMagic && message_words::Agree(mail.sent, op.words) &&
+                     mail.sent[4] == op.words[4];
+  const int64_t bytes = op.words[4];
   std::string unreadable;
   if (agree && bytes > 0) {
     char* into = static_cast<char*>(op.data.data_ptr());

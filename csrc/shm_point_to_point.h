@@ -154,7 +154,7 @@ class ShmPointToPoint : public MessagePath, public std::enable_shared_from_this<
   std::atomic<int> spinners_{0};           // callers moving operations along
   std::atomic<bool> parked_{false};        // the progress thread waits to be woken
   std::atomic<int> error_{0};              // a c10d::ErrorType
-  std::thread thread_;
+  std::thread thread_;  // started under mu_ by the first operation
 };
 
 }  // namespace hvdlite

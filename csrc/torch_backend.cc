@@ -99,8 +99,9 @@ std::vector<at::Tensor> TorchWork::result() {
 }
 
 TorchBackend::TorchBackend(std::shared_ptr<Engine> engine, c10::intrusive_ptr<c10d::Backend> link,
-                           std::chrono::milliseconds timeout, std::shared_ptr<ShmChannel> messages)
-    : c10d::Backend(engine->rank(), engine->size()), engine_(std::move(engine)) {
+                           std::chrono::milliseconds timeout, std::shared_ptr<ShmChannel> messages,
+                           c10::intrusive_ptr<c10d::Backend> cuda_link)
+    : c10d::Backend(engine->rank(), engine->size()), engine_(std::move(engine)), cuda_link_(std::move(cuda_link)) {
   if (messages && ShmPointToPoint::Usable(*messages)) {
     p2p_ = ShmPointToPoint::Make(std::move(messages), timeout);
   } else if (link) {
@@ -127,6 +128,10 @@ void TorchBackend::shutdown() {
     p2p.swap(p2p_);
   }
   p2p.reset();  // fails its pending operations and joins its threads (unless a call still holds it)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cuda_link_.reset();  // the engine holds the NCCL group itself
+  }
   engine_->Shutdown();  // fails what is pending, so the completion thread is not blocked
   cv_.notify_all();
   if (completer_.joinable()) completer_.join();  // it delivers everything it took
@@ -550,18 +555,31 @@ std::shared_ptr<MessagePath> TorchBackend::Messages(const char* what) {
   return p2p_;
 }
 
+c10::intrusive_ptr<c10d::Backend> TorchBackend::CudaMessages(const char* what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!stopping_, "hvdlite backend: ", what, " after the process group was shut down");
+  TORCH_CHECK(cuda_link_, "hvdlite backend: ", what, " of a CUDA tensor: this group has no NCCL group (CUDA or NCCL "
+              "was not available when it was made)");
+  return cuda_link_;
+}
+
 c10::intrusive_ptr<c10d::Work> TorchBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   TORCH_CHECK(tensors.size() == 1, "hvdlite backend: send takes one tensor");
+  // Note [CUDA point-to-point]
+  if (tensors[0].is_cuda()) return CudaMessages("send")->send(tensors, dst, tag);
   return Messages("send")->Send(tensors[0], dst, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   TORCH_CHECK(tensors.size() == 1, "hvdlite backend: recv takes one tensor");
+  if (tensors[0].is_cuda()) return CudaMessages("recv")->recv(tensors, src, tag);
   return Messages("recv")->Recv(tensors[0], src, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   TORCH_CHECK(tensors.size() == 1, "hvdlite backend: recv takes one tensor");
+  TORCH_CHECK(!tensors[0].is_cuda(), "hvdlite backend: recv from any source into a CUDA tensor: NCCL, which "
+              "carries them, has no receive from any source; name the source");
   return Messages("recv")->Recv(tensors[0], MessagePath::kAnySource, tag);
 }
 

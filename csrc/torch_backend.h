@@ -81,9 +81,11 @@ class TorchBackend : public c10d::Backend {
   // `link`: the Gloo group point-to-point messages travel through (Note [Point-to-point
   // messages] in point_to_point.h), `timeout` the process group's.
   // `messages`: the group's segment, when point-to-point may go through it (Note
-  // [Point-to-point through shared memory] in shm_point_to_point.h).
+  // [Point-to-point through shared memory] in shm_point_to_point.h); `cuda_link`: the engine's
+  // NCCL group, which carries CUDA tensors' sends and receives (Note [CUDA point-to-point]).
   TorchBackend(std::shared_ptr<Engine> engine, c10::intrusive_ptr<c10d::Backend> link,
-               std::chrono::milliseconds timeout, std::shared_ptr<ShmChannel> messages = nullptr);
+               std::chrono::milliseconds timeout, std::shared_ptr<ShmChannel> messages = nullptr,
+               c10::intrusive_ptr<c10d::Backend> cuda_link = {});
   ~TorchBackend() override;
   const std::string getBackendName() const override { return "hvdlite"; }
   // Stops the engine and fails every pending operation; later calls raise.
@@ -150,6 +152,14 @@ class TorchBackend : public c10d::Backend {
   void CompleteLoop();
   // The point-to-point half, or a clear error (after shutdown, or a group made without one).
   std::shared_ptr<MessagePath> Messages(const char* what);
+  // Note [CUDA point-to-point]
+  // A CUDA tensor's send and receive go to the engine's NCCL group as they are: NCCL matches
+  // a pair's messages in order (tags are not matched), orders them on its own streams after the
+  // caller's, and cannot receive from any source (refused with a clear error). The header and
+  // verdict of the CPU paths, which name a mismatch on both ranks, are not sent: a mismatched
+  // receive is NCCL's error. Written against ProcessGroupNCCL's send/recv; tests/cuda runs it
+  // where two GPUs are present.
+  c10::intrusive_ptr<c10d::Backend> CudaMessages(const char* what);
   // Note [Engine behind a process group]: runs `complete` on an idle delivery thread, or on a
   // new one where every delivery thread is inside a callback.
   void Deliver(std::function<void()> complete);
@@ -157,6 +167,7 @@ class TorchBackend : public c10d::Backend {
 
   std::shared_ptr<Engine> engine_;
   std::shared_ptr<MessagePath> p2p_;  // null after shutdown
+  c10::intrusive_ptr<c10d::Backend> cuda_link_;  // under mu_; null without CUDA and after shutdown
   std::atomic<int> error_{0};          // a c10d::ErrorType: the first failure's kind
   mutable std::mutex mu_;
   std::condition_variable cv_;

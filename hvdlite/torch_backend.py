@@ -74,7 +74,9 @@ def _create(store, rank, size, timeout):
     # Note [Point-to-point messages] (csrc/point_to_point.h): send and recv travel through the
     # group's segment when every rank shares this host (Note [Point-to-point through shared
     # memory]), else through its first CPU channel, pair by pair, beside the engine's collectives.
-    backend = _core.torch_backend(engine, groups.cpu[0], timeout.total_seconds(), groups.messages)
+    # CUDA tensors' go through the engine's NCCL group (Note [CUDA point-to-point] in
+    # csrc/torch_backend.h).
+    backend = _core.torch_backend(engine, groups.cpu[0], timeout.total_seconds(), groups.messages, groups.cuda)
     from ._runtime import recorder as _recorder, state as _state
     # Note [Dump requests] (csrc/recorder.h): a dump signal reaches every rank through the
     # global engine; a job of torch.distributed groups only has the first group's engine do it.

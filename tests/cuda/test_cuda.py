@@ -57,3 +57,40 @@ def _core_ops():
 
 def test_cuda_collectives_fusion_and_streams():
     assert all(run_ranks(_ranks(), __name__, "_core_ops", timeout=180))
+
+
+def _point_to_point():
+    """Note [CUDA point-to-point] (csrc/torch_backend.h): a group of the backend "hvdlite" sends
+    CUDA tensors through its engine's NCCL group; every value checked against the sender's."""
+    import os
+
+    import torch.distributed as dist
+    rank, size = int(os.environ["HVDLITE_RANK"]), int(os.environ["HVDLITE_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("hvdlite", init_method="hvdlite://")
+    dev = torch.device("cuda", rank)
+    peer = 1 - rank
+    mine = torch.arange(1 << 20, device=dev, dtype=torch.float32) + 1000 * rank
+    theirs = torch.arange(1 << 20, device=dev, dtype=torch.float32) + 1000 * peer
+    into = torch.empty_like(mine)
+    if rank == 0:
+        dist.send(mine, peer)
+        dist.recv(into, peer)
+    else:
+        dist.recv(into, peer)
+        dist.send(mine, peer)
+    assert torch.equal(into, theirs)
+    into = torch.empty_like(mine)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, into, peer)]):
+        work.wait()
+    torch.cuda.synchronize()
+    assert torch.equal(into, theirs)
+    with pytest.raises(Exception, match="any source"):
+        dist.recv(torch.empty(3, device=dev))
+    dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="point-to-point over NCCL needs two GPUs")
+def test_cuda_point_to_point_through_nccl():
+    assert all(run_ranks(2, __name__, "_point_to_point", timeout=180))
