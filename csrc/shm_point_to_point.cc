@@ -4,6 +4,7 @@
 #include "shm_channel.h"
 #include "shm_segment.h"
 #include "futex.h"
+#include "shm_mailbox.h"
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
@@ -36,29 +37,6 @@ constexpr int kCheckMs = 10;  // peers' liveness and timeouts are checked this o
 constexpr auto kPoll = std::chrono::milliseconds(2);
 constexpr auto kPark = std::chrono::seconds(1);
 
-// A slot's states (Note [Point-to-point through shared memory]).
-enum : uint32_t { kEmpty = 0, kFull = 1, kClaimed = 2, kTaken = 3, kCopying = 4 };
-// Note [Large messages copied from both ends]: from this size, in chunks of kChunk.
-constexpr int64_t kSharedCopyMin = 1 << 20;
-constexpr int64_t kChunk = 512 << 10;
-
-// Copies `bytes` at `offset` between this process's `local` and `pid`'s `remote` (read: from
-// remote into local; else the other way); "" or what went wrong.
-std::string CopyWith(int64_t pid, bool read, char* local, uint64_t remote, int64_t offset, int64_t bytes) {
-  int64_t done = 0;
-  while (done < bytes) {
-    iovec mine{local + offset + done, static_cast<size_t>(bytes - done)};
-    iovec theirs{reinterpret_cast<void*>(remote + offset + done), static_cast<size_t>(bytes - done)};
-    const ssize_t moved = read ? process_vm_readv(static_cast<pid_t>(pid), &mine, 1, &theirs, 1, 0)
-                               : process_vm_writev(static_cast<pid_t>(pid), &mine, 1, &theirs, 1, 0);
-    if (moved <= 0) return std::strerror(errno);
-    done += moved;
-  }
-  return "";
-}
-// A verdict's word 6: what the receiver did with the message.
-enum : int64_t { kRefused = 0, kAccepted = 1, kUnreadable = 2 };
-
 std::string Seconds(double s) {
   std::ostringstream out;
   out << s << " s";
@@ -66,38 +44,6 @@ std::string Seconds(double s) {
 }
 
 }  // namespace
-
-struct ShmPointToPoint::Bell {
-  std::atomic<uint32_t> ring;     // bumped by every ring
-  std::atomic<int32_t> sleepers;  // threads asleep (or about to be) on `ring`
-  std::atomic<int32_t> closed;    // 1 once the rank's path closed (shutdown, abort, exit)
-  char unused[52];
-};
-
-struct ShmPointToPoint::Pair {
-  std::atomic<uint64_t> posted;  // 1 + the sequence number of the last message posted
-  char unused[56];
-};
-
-struct ShmPointToPoint::Mail {
-  std::atomic<uint32_t> state;
-  std::atomic<uint32_t> failed;  // kCopying: a chunk the sender copied failed
-  uint64_t seq;
-  uint64_t address;  // the sender's bytes, when they are not inline
-  // kCopying (Note [Large messages copied from both ends]): the receiver's bytes, and how many
-  // bytes either side has claimed and copied so far
-  uint64_t into;
-  std::atomic<uint64_t> claimed;
-  std::atomic<uint64_t> copied;
-  int64_t unused[2];
-  int64_t sent[kWords];    // the sender's words
-  int64_t answer[kWords];  // the receiver's words and verdict
-  char payload[kInline];
-};
-
-static_assert(sizeof(ShmPointToPoint::Bell) == 64, "a bell is a cache line");
-static_assert(sizeof(ShmPointToPoint::Pair) == 64, "a pair's count is a cache line");
-static_assert(sizeof(ShmPointToPoint::Mail) == ShmPointToPoint::kSlotBytes, "a slot is 1 KB");
 
 struct ShmPointToPoint::Op {
   bool send = false;
@@ -131,10 +77,10 @@ ShmPointToPoint::ShmPointToPoint(std::shared_ptr<ShmChannel> channel, std::chron
       rank_(segment_.rank()),
       size_(segment_.size()),
       timeout_(timeout),
-      area_(segment_.Mailbox()),
+      boxes_(segment_.Mailbox(), segment_.size()),
       next_seq_(segment_.size(), 0),
       posted_(segment_.size(), 0) {
-  if (area_ == nullptr) throw std::runtime_error("shared-memory point-to-point: the segment has no mailboxes");
+  if (segment_.Mailbox() == nullptr) throw std::runtime_error("shared-memory point-to-point: the segment has no mailboxes");
 }
 
 ShmPointToPoint::~ShmPointToPoint() {
@@ -144,7 +90,7 @@ ShmPointToPoint::~ShmPointToPoint() {
     stopping_ = true;  // no thread starts after this
   }
   cv_.notify_all();
-  FutexWakeAll(&BellOf(rank_).ring);
+  FutexWakeAll(&boxes_.Bell(rank_).ring);
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) {
       thread_.detach();  // the last reference went in a callback on the progress thread
@@ -152,28 +98,6 @@ ShmPointToPoint::~ShmPointToPoint() {
       thread_.join();
     }
   }
-}
-
-ShmPointToPoint::Bell& ShmPointToPoint::BellOf(int rank) const {
-  return *reinterpret_cast<Bell*>(area_ + 64 * static_cast<size_t>(rank));
-}
-
-ShmPointToPoint::Pair& ShmPointToPoint::PairOf(int source, int destination) const {
-  const size_t pair_bytes = 64 + kSlots * kSlotBytes;
-  char* pairs = area_ + 64 * static_cast<size_t>(size_ + 1);
-  return *reinterpret_cast<Pair*>(pairs + (static_cast<size_t>(source) * size_ + destination) * pair_bytes);
-}
-
-namespace {
-ShmPointToPoint::Mail& SlotOf(void* pair, int i) {
-  return *reinterpret_cast<ShmPointToPoint::Mail*>(static_cast<char*>(pair) + 64 + i * ShmPointToPoint::kSlotBytes);
-}
-}  // namespace
-
-void ShmPointToPoint::Ring(int rank) {
-  Bell& bell = BellOf(rank);
-  bell.ring.fetch_add(1);
-  if (bell.sleepers.load() > 0) FutexWakeAll(&bell.ring);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Send(const at::Tensor& tensor, int dst, int tag) {
@@ -240,7 +164,7 @@ bool ShmPointToPoint::Progress(std::vector<std::shared_ptr<Op>>* ended) {
   for (const std::shared_ptr<Op>& op : live_) receiving |= !op->send && !op->ended;
   if (receiving) {
     for (int source = 0; source < size_; ++source) {
-      posted_[source] = source == rank_ ? 0 : PairOf(source, rank_).posted.load(std::memory_order_acquire);
+      posted_[source] = source == rank_ ? 0 : boxes_.Pair(source, rank_).posted.load(std::memory_order_acquire);
     }
     for (const std::shared_ptr<Op>& op : live_) {
       if (!op->send && !op->ended) did |= MatchReceive(op);
@@ -261,28 +185,28 @@ bool ShmPointToPoint::PostSends(std::vector<std::shared_ptr<Op>>* /*ended*/) {
   std::vector<char> blocked(size_, 0);  // a destination whose earlier send found no slot
   for (const std::shared_ptr<Op>& op : live_) {
     if (!op->send || op->ended || op->slot >= 0 || blocked[op->peer]) continue;
-    Pair& pair = PairOf(rank_, op->peer);
+    MailPair& pair = boxes_.Pair(rank_, op->peer);
     int free = -1;
-    for (int i = 0; i < kSlots && free < 0; ++i) {
-      if (SlotOf(&pair, i).state.load(std::memory_order_acquire) == kEmpty) free = i;
+    for (int i = 0; i < Mailboxes::kSlots && free < 0; ++i) {
+      if (boxes_.Slot(rank_, op->peer, i).state.load(std::memory_order_acquire) == Mail::kEmpty) free = i;
     }
     if (free < 0) {
       blocked[op->peer] = 1;
       continue;
     }
-    Mail& mail = SlotOf(&pair, free);
+    Mail& mail = boxes_.Slot(rank_, op->peer, free);
     const int64_t bytes = op->words[4];
     mail.seq = op->seq;
     std::memcpy(mail.sent, op->words, sizeof(op->words));
-    if (bytes <= kInline) {
+    if (bytes <= Mail::kInline) {
       if (bytes > 0) std::memcpy(mail.payload, op->data.data_ptr(), static_cast<size_t>(bytes));
       mail.address = 0;
     } else {
       mail.address = reinterpret_cast<uint64_t>(op->data.data_ptr());
     }
-    mail.state.store(kFull, std::memory_order_release);
+    mail.state.store(Mail::kFull, std::memory_order_release);
     pair.posted.store(op->seq + 1, std::memory_order_release);
-    Ring(op->peer);
+    boxes_.Ring(op->peer);
     op->slot = free;
     op->step = "waiting for rank " + std::to_string(op->peer) + " to receive it";
     did = true;
@@ -294,20 +218,19 @@ bool ShmPointToPoint::MatchReceive(const std::shared_ptr<Op>& op) {
   for (int k = 0; k < size_; ++k) {
     const int source = op->peer == kAnySource ? k : op->peer;
     if (source == rank_) continue;
-    Pair& pair = PairOf(source, rank_);
     for (;;) {
       // Note [Point-to-point through shared memory]: every message numbered below the count
       // read first is visible; among those of the tag, the earliest.
       const uint64_t posted = posted_[source];
       Mail* best = nullptr;
-      for (int i = 0; i < kSlots; ++i) {
-        Mail& mail = SlotOf(&pair, i);
-        if (mail.state.load(std::memory_order_acquire) != kFull || mail.seq >= posted || mail.sent[1] != op->tag) continue;
+      for (int i = 0; i < Mailboxes::kSlots; ++i) {
+        Mail& mail = boxes_.Slot(source, rank_, i);
+        if (mail.state.load(std::memory_order_acquire) != Mail::kFull || mail.seq >= posted || mail.sent[1] != op->tag) continue;
         if (best == nullptr || mail.seq < best->seq) best = &mail;
       }
       if (best == nullptr) break;
-      uint32_t full = kFull;
-      if (!best->state.compare_exchange_strong(full, kClaimed, std::memory_order_acq_rel)) continue;  // withdrawn
+      uint32_t full = Mail::kFull;
+      if (!best->state.compare_exchange_strong(full, Mail::kClaimed, std::memory_order_acq_rel)) continue;  // withdrawn
       Take(*op, source, *best);
       return true;
     }
@@ -325,20 +248,20 @@ void ShmPointToPoint::Take(Op& op, int source, Mail& mail) {
   std::string unreadable;
   if (agree && bytes > 0) {
     char* into = static_cast<char*>(op.data.data_ptr());
-    if (bytes <= kInline) {
+    if (bytes <= Mail::kInline) {
       std::memcpy(into, mail.payload, static_cast<size_t>(bytes));
-    } else if (bytes < kSharedCopyMin) {
+    } else if (bytes < Mailboxes::kSharedCopyMin) {
       // Note [Point-to-point through shared memory]: one copy, straight from the sender's tensor.
-      const std::string error = CopyWith(segment_.pid(source), true, into, mail.address, 0, bytes);
+      const std::string error = Mailboxes::CopyWith(segment_.pid(source), true, into, mail.address, 0, bytes);
       if (!error.empty()) unreadable = "reading " + std::to_string(bytes) + " bytes from " + peer + " failed: " + error;
     } else {
-      unreadable = CopyShared(source, mail, into, bytes);
+      unreadable = boxes_.ReceiverCopy(mail, source, segment_.pid(source), into, bytes, timeout_);
     }
   }
   std::memcpy(mail.answer, op.words, sizeof(op.words));
-  mail.answer[6] = !agree ? kRefused : unreadable.empty() ? kAccepted : kUnreadable;
-  mail.state.store(kTaken, std::memory_order_release);
-  Ring(source);
+  mail.answer[6] = !agree ? Mail::kRefused : unreadable.empty() ? Mail::kAccepted : Mail::kUnreadable;
+  mail.state.store(Mail::kTaken, std::memory_order_release);
+  boxes_.Ring(source);
   op.work->source_.store(source);
   if (!unreadable.empty()) {
     Fail(op, unreadable, c10d::ErrorType::COMM_ERROR);
@@ -352,71 +275,25 @@ void ShmPointToPoint::Take(Op& op, int source, Mail& mail) {
   }
 }
 
-std::string ShmPointToPoint::CopyShared(int source, Mail& mail, char* into, int64_t bytes) {
-  // Note [Large messages copied from both ends]
-  mail.into = reinterpret_cast<uint64_t>(into);
-  mail.claimed.store(0);
-  mail.copied.store(0);
-  mail.failed.store(0);
-  mail.state.store(kCopying, std::memory_order_release);
-  Ring(source);
-  const int64_t pid = segment_.pid(source);
-  std::string error;
-  for (;;) {
-    const int64_t offset = static_cast<int64_t>(mail.claimed.fetch_add(kChunk));
-    if (offset >= bytes) break;
-    const int64_t length = std::min(kChunk, bytes - offset);
-    if (error.empty()) error = CopyWith(pid, true, into, mail.address, offset, length);
-    mail.copied.fetch_add(static_cast<uint64_t>(length));
-  }
-  // the sender may still be copying its last chunk
-  unsigned spins = 0;
-  const Clock::time_point start = Clock::now();
-  while (static_cast<int64_t>(mail.copied.load(std::memory_order_acquire)) < bytes) {
-    Relax();
-    if ((++spins & 4095) != 0) continue;
-    if (!ShmSegment::Running(pid)) return "rank " + std::to_string(source) + " exited while its message was being copied";
-    if (timeout_.count() > 0 && Clock::now() - start > timeout_) {
-      return "rank " + std::to_string(source) + " did not finish copying its message within the process group's timeout " +
-             ShmSegment::Why(pid);
-    }
-  }
-  if (!error.empty()) return "reading " + std::to_string(bytes) + " bytes from rank " + std::to_string(source) + " failed: " + error;
-  if (mail.failed.load() != 0) return "rank " + std::to_string(source) + " could not write its message into this process";
-  return "";
-}
-
 bool ShmPointToPoint::HelpCopy(Op& op) {
+  // Note [Large messages copied from both ends] (shm_mailbox.h)
   if (op.slot < 0) return false;
-  Mail& mail = SlotOf(&PairOf(rank_, op.peer), op.slot);
-  if (mail.state.load(std::memory_order_acquire) != kCopying) return false;
-  // Note [Large messages copied from both ends]: this side's chunks go by process_vm_writev.
-  const int64_t bytes = op.words[4];
-  char* from = static_cast<char*>(op.data.data_ptr());
-  bool did = false;
-  for (;;) {
-    const int64_t offset = static_cast<int64_t>(mail.claimed.fetch_add(kChunk));
-    if (offset >= bytes) break;
-    const int64_t length = std::min(kChunk, bytes - offset);
-    if (!CopyWith(segment_.pid(op.peer), false, from, mail.into, offset, length).empty()) mail.failed.store(1);
-    mail.copied.fetch_add(static_cast<uint64_t>(length), std::memory_order_release);
-    did = true;
-  }
-  return did;
+  return Mailboxes::SenderCopy(boxes_.Slot(rank_, op.peer, op.slot), segment_.pid(op.peer),
+                               static_cast<const char*>(op.data.data_ptr()), op.words[4]);
 }
 
 bool ShmPointToPoint::ReapSend(Op& op) {
   if (op.slot < 0) return false;
-  Mail& mail = SlotOf(&PairOf(rank_, op.peer), op.slot);
-  if (mail.state.load(std::memory_order_acquire) != kTaken) return false;
+  Mail& mail = boxes_.Slot(rank_, op.peer, op.slot);
+  if (mail.state.load(std::memory_order_acquire) != Mail::kTaken) return false;
   const std::string peer = "rank " + std::to_string(op.peer);
   const int64_t verdict = mail.answer[6];
   const std::string theirs = message_words::Shown(mail.answer);
-  mail.state.store(kEmpty, std::memory_order_release);
+  mail.state.store(Mail::kEmpty, std::memory_order_release);
   op.slot = -1;
-  if (verdict == kAccepted) {
+  if (verdict == Mail::kAccepted) {
     op.ended = true;
-  } else if (verdict == kUnreadable) {
+  } else if (verdict == Mail::kUnreadable) {
     Fail(op, peer + " could not read the message from this process's memory", c10d::ErrorType::COMM_ERROR);
   } else {
     Fail(op, peer + " receives into " + theirs + ", but rank " + std::to_string(rank_) + " sent " +
@@ -428,8 +305,8 @@ bool ShmPointToPoint::ReapSend(Op& op) {
 
 void ShmPointToPoint::Fail(Op& op, const std::string& why, c10d::ErrorType kind) {
   if (op.send && op.slot >= 0) {  // withdraw it, unless the receiver is reading it
-    uint32_t full = kFull;
-    if (SlotOf(&PairOf(rank_, op.peer), op.slot).state.compare_exchange_strong(full, kEmpty)) op.slot = -1;
+    uint32_t full = Mail::kFull;
+    if (boxes_.Slot(rank_, op.peer, op.slot).state.compare_exchange_strong(full, Mail::kEmpty)) op.slot = -1;
   }
   op.error = message_words::DistError("hvdlite backend: " + op.what + ": " + why);
   op.ended = true;
@@ -448,13 +325,13 @@ void ShmPointToPoint::CheckPeers(std::vector<std::shared_ptr<Op>>* ended) {
       const std::string name = "rank " + std::to_string(peer);
       const int64_t pid = segment_.pid(peer);
       if (op->send && op->slot >= 0 &&
-          SlotOf(&PairOf(rank_, op->peer), op->slot).state.load() >= kClaimed && ShmSegment::Running(pid)) {
+          boxes_.Slot(rank_, op->peer, op->slot).state.load() >= Mail::kClaimed && ShmSegment::Running(pid)) {
         continue;  // being read now
       }
       if (!ShmSegment::Running(pid)) {
         op->slot = -1;  // nobody will read it
         Fail(*op, name + " (pid " + std::to_string(pid) + ") exited", c10d::ErrorType::COMM_ERROR);
-      } else if (BellOf(peer).closed.load() != 0) {
+      } else if (boxes_.Bell(peer).closed.load() != 0) {
         Fail(*op, name + " shut down or aborted its process group", c10d::ErrorType::COMM_ERROR);
       }
     }
@@ -515,7 +392,7 @@ bool ShmPointToPoint::Poll() {
 }
 
 void ShmPointToPoint::ProgressLoop() {
-  Bell& me = BellOf(rank_);
+  MailBell& me = boxes_.Bell(rank_);
   Clock::time_point last_check = Clock::now();
   std::vector<std::shared_ptr<Op>> ended;
   std::unique_lock<std::mutex> lock(mu_);
@@ -568,9 +445,9 @@ void ShmPointToPoint::Abort(const std::string& why) {
     Progress(&ended);
   }
   Complete(ended);
-  BellOf(rank_).closed.store(1);
+  boxes_.Bell(rank_).closed.store(1);
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer != rank_) Ring(peer);
+    if (peer != rank_) boxes_.Ring(peer);
   }
   cv_.notify_all();
 }
@@ -588,33 +465,8 @@ std::vector<std::string> ShmPointToPoint::Pending() const {
 
 double ShmPointToPoint::PingPongFloor(const ShmChannel& channel, int rounds) {
   const ShmSegment& segment = channel.segment();
-  char* area = segment.Mailbox();
-  if (area == nullptr || segment.rank() > 1 || rounds <= 0) return 0.0;
-  auto* words = reinterpret_cast<std::atomic<uint64_t>*>(area + 64 * static_cast<size_t>(segment.size()));
-  std::atomic<uint64_t>& ping = words[0];
-  std::atomic<uint64_t>& pong = words[1];
-  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(30);
-  auto await = [&](std::atomic<uint64_t>& word, uint64_t value) {
-    unsigned spins = 0;
-    while (word.load(std::memory_order_acquire) != value) {
-      Relax();
-      if ((++spins & 1023) == 0 && Clock::now() > deadline) {
-        throw std::runtime_error("ping_pong_floor: the other rank did not answer within 30 s");
-      }
-    }
-  };
-  const uint64_t base = segment.rank() == 0 ? ping.load() : pong.load();
-  const Clock::time_point start = Clock::now();
-  for (int i = 1; i <= rounds; ++i) {
-    if (segment.rank() == 0) {
-      ping.store(base + i, std::memory_order_release);
-      await(pong, base + i);
-    } else {
-      await(ping, base + i);
-      pong.store(base + i, std::memory_order_release);
-    }
-  }
-  return std::chrono::duration<double>(Clock::now() - start).count() / rounds / 2;
+  if (segment.Mailbox() == nullptr || segment.rank() > 1 || rounds <= 0) return 0.0;
+  return Mailboxes(segment.Mailbox(), segment.size()).PingPongFloor(segment.rank(), rounds);
 }
 
 }  // namespace hvdlite

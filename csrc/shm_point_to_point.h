@@ -36,18 +36,6 @@
 // Limit: a sender keeps at most 16 messages unreceived in one pair's slots; a receiver that
 // blocks on a 17th before posting receives for the earlier ones waits for the timeout.
 //
-// Note [Large messages copied from both ends]
-// One process_vm_readv moves about 7 GB/s here, a quarter of what memcpy does (it pins the
-// sender's pages as it goes), so a message of 1 MB or more is copied by both ends at once: the
-// receiver publishes where its bytes go and marks the slot copying, and then each side claims
-// 512 KB chunks from the slot's counter until none are left, the receiver reading by
-// process_vm_readv, the sender (whenever a thread of it moves its operations along: a
-// waiting caller, or its progress thread, which the receiver's ring wakes) writing by
-// process_vm_writev. The receiver marks the slot taken only once the copied count reached the
-// message's size, so the sender never writes into a buffer its receiver has given back. A
-// sender that is busy elsewhere leaves every chunk to the receiver; a sender that dies in the
-// middle fails the receive naming it.
-//
 // Note [Waiting callers move messages along]
 // The latency of a small message is the time until somebody on the receiving rank notices it.
 // A caller that waits on a Work spins, moving every pending operation along, for 20 us, then
@@ -61,6 +49,7 @@
 #pragma once
 
 #include "point_to_point.h"
+#include "shm_mailbox.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -81,14 +70,6 @@ class ShmSegment;
 
 class ShmPointToPoint : public MessagePath, public std::enable_shared_from_this<ShmPointToPoint> {
  public:
-  static constexpr int kSlots = 16;
-  static constexpr int64_t kSlotBytes = 1024;
-  static constexpr int64_t kInline = 704;
-  // The mailbox area's parts (Note [Point-to-point through shared memory]).
-  struct Bell;
-  struct Pair;
-  struct Mail;
-
   // Whether `channel` can carry a group's point-to-point messages (see the Note).
   static bool Usable(const ShmChannel& channel);
   // `channel`: the group's segment (every rank of the group, indexed by group rank);
@@ -121,9 +102,7 @@ class ShmPointToPoint : public MessagePath, public std::enable_shared_from_this<
   bool MatchReceive(const std::shared_ptr<Op>& op);
   void Take(Op& op, int source, Mail& mail);
   bool ReapSend(Op& op);
-  // Note [Large messages copied from both ends]: the receiver's side ("" or what went wrong),
-  // and the sender's (true if it copied a chunk).
-  std::string CopyShared(int source, Mail& mail, char* into, int64_t bytes);
+  // Note [Large messages copied from both ends] (shm_mailbox.h): the sender's chunks of `op`.
   bool HelpCopy(Op& op);
   // Under mu_: fails operations whose peer is gone or whose time is up (every kCheckMs).
   void CheckPeers(std::vector<std::shared_ptr<Op>>* ended);
@@ -132,17 +111,13 @@ class ShmPointToPoint : public MessagePath, public std::enable_shared_from_this<
   void Complete(std::vector<std::shared_ptr<Op>>& ended);
   bool TryProgress();
   void ProgressLoop();
-  void Ring(int rank);
-
-  Bell& BellOf(int rank) const;
-  Pair& PairOf(int source, int destination) const;
 
   const std::shared_ptr<ShmChannel> channel_;  // keeps the mapping
   const ShmSegment& segment_;
   const int rank_;
   const int size_;
   const std::chrono::milliseconds timeout_;
-  char* const area_;
+  const Mailboxes boxes_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;           // the progress thread: work to do, or stopping
