@@ -96,11 +96,12 @@ std::string PendingLine(const std::string& what, const std::string& step, double
   return line.str();
 }
 
-void CheckArguments(const char* what, const at::Tensor& tensor, int peer, int tag, int rank, int size) {
+void CheckArguments(const char* what, const at::Tensor& tensor, int peer, int tag, int rank, int size, bool self) {
   const bool send = std::string(what) == "send";
-  TORCH_CHECK((!send && peer == MessagePath::kAnySource) || (peer >= 0 && peer < size && peer != rank),
-              "hvdlite backend: ", what, ": the ", send ? "destination " : "source ", peer,
-              " is not another rank of this group of ", size);
+  TORCH_CHECK((!send && peer == MessagePath::kAnySource) || (peer >= 0 && peer < size && (self || peer != rank)),
+              "hvdlite backend: ", what, ": the ", send ? "destination " : "source ", peer, " is not ",
+              self ? "a rank" : "another rank", " of this group of ", size,
+              peer == rank ? " (across hosts a rank cannot send to itself)" : "");
   TORCH_CHECK(tag >= 0 && tag <= MessagePath::kMaxTag, "hvdlite backend: ", what, ": tag ", tag, " is outside 0..",
               MessagePath::kMaxTag);
   TORCH_CHECK(tensor.device().is_cpu(), "hvdlite backend: ", what, send ? " of a " : " into a ", tensor.device().str(),
@@ -212,7 +213,7 @@ PointToPoint::~PointToPoint() {
 }
 
 c10::intrusive_ptr<c10d::Work> PointToPoint::Send(const at::Tensor& tensor, int dst, int tag) {
-  message_words::CheckArguments("send", tensor, dst, tag, rank_, size_);
+  message_words::CheckArguments("send", tensor, dst, tag, rank_, size_, false);
   auto op = std::make_shared<Op>();
   op->send = true;
   op->peer = dst;
@@ -240,7 +241,7 @@ c10::intrusive_ptr<c10d::Work> PointToPoint::Send(const at::Tensor& tensor, int 
 }
 
 c10::intrusive_ptr<c10d::Work> PointToPoint::Recv(const at::Tensor& tensor, int src, int tag) {
-  message_words::CheckArguments("recv", tensor, src, tag, rank_, size_);
+  message_words::CheckArguments("recv", tensor, src, tag, rank_, size_, false);
   auto op = std::make_shared<Op>();
   op->peer = src;
   op->tag = tag;

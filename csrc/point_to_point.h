@@ -97,7 +97,8 @@ std::string Name(bool send, int peer, int tag);
 // "recv from rank 1 with tag 0: waiting for rank 1 to send for 2.1 s": a pending operation.
 std::string PendingLine(const std::string& what, const std::string& step, double seconds);
 // Checks `tensor` for a point-to-point `what` ("send", "recv") with `peer` and `tag`.
-void CheckArguments(const char* what, const at::Tensor& tensor, int peer, int tag, int rank, int size);
+// `self`: whether the path lets a rank send to itself.
+void CheckArguments(const char* what, const at::Tensor& tensor, int peer, int tag, int rank, int size, bool self);
 }  // namespace message_words
 
 // Blocks until `future` completes or `timeout` passes (<= 0: no limit); true if it completed.

@@ -101,7 +101,7 @@ ShmPointToPoint::~ShmPointToPoint() {
 }
 
 c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Send(const at::Tensor& tensor, int dst, int tag) {
-  message_words::CheckArguments("send", tensor, dst, tag, rank_, size_);
+  message_words::CheckArguments("send", tensor, dst, tag, rank_, size_, true);
   auto op = std::make_shared<Op>();
   op->send = true;
   op->peer = dst;
@@ -118,7 +118,7 @@ c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Send(const at::Tensor& tensor, i
 }
 
 c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Recv(const at::Tensor& tensor, int src, int tag) {
-  message_words::CheckArguments("recv", tensor, src, tag, rank_, size_);
+  message_words::CheckArguments("recv", tensor, src, tag, rank_, size_, true);
   auto op = std::make_shared<Op>();
   op->peer = src;
   op->tag = tag;
@@ -164,7 +164,7 @@ bool ShmPointToPoint::Progress(std::vector<std::shared_ptr<Op>>* ended) {
   for (const std::shared_ptr<Op>& op : live_) receiving |= !op->send && !op->ended;
   if (receiving) {
     for (int source = 0; source < size_; ++source) {
-      posted_[source] = source == rank_ ? 0 : boxes_.Pair(source, rank_).posted.load(std::memory_order_acquire);
+      posted_[source] = boxes_.Pair(source, rank_).posted.load(std::memory_order_acquire);
     }
     for (const std::shared_ptr<Op>& op : live_) {
       if (!op->send && !op->ended) did |= MatchReceive(op);
@@ -217,7 +217,7 @@ bool ShmPointToPoint::PostSends(std::vector<std::shared_ptr<Op>>* /*ended*/) {
 bool ShmPointToPoint::MatchReceive(const std::shared_ptr<Op>& op) {
   for (int k = 0; k < size_; ++k) {
     const int source = op->peer == kAnySource ? k : op->peer;
-    if (source == rank_) continue;
+    if (source == rank_ && op->peer == kAnySource) continue;  // a rank's own messages only when named
     for (;;) {
       // Note [Point-to-point through shared memory]: every message numbered below the count
       // read first is visible; among those of the tag, the earliest.

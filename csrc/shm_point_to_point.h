@@ -33,6 +33,8 @@
 // Used when the group's segment exists with single copy allowed (process_vm_readv between the
 // ranks: Note [Single-copy allreduce]) and at most kMailboxMaxRanks ranks; otherwise, or for
 // a group across hosts, messages travel through Gloo (Note [Point-to-point messages]).
+// A rank may send to itself (its own pair's mailbox; a pipeline with two stages on one rank
+// does), where Gloo refuses; a receive from any source takes only other ranks' messages.
 // Limit: a sender keeps at most 16 messages unreceived in one pair's slots; a receiver that
 // blocks on a 17th before posting receives for the earlier ones waits for the timeout.
 //

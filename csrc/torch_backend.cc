@@ -232,6 +232,7 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::Submit(c10d::OpType type, const std
     TORCH_CHECK(!stopping_, "hvdlite backend: ", what, " after the process group was shut down");
     engine = engine_;
   }
+  sequence_.fetch_add(1);
   // Note [Engine behind a process group]: names in call order; a call of several tensors is
   // one group, which the engine runs as one (fused) operation.
   if (args.size() == 1) {

@@ -97,6 +97,10 @@ class TorchBackend : public c10d::Backend {
   c10d::ErrorType getError() override;
   // The point-to-point operations in flight, one line each (who waits for whom).
   std::vector<std::string> pendingPointToPoint() const;
+  // Sequence numbers, which torch's debug wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) reads: the
+  // number of operations this group has started since set.
+  void setSequenceNumberForGroup() override { sequence_.store(0); }
+  uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
   // "shared_memory", "gloo", or "" after shutdown: what carries send and recv.
   std::string pointToPointPath() const;
 
@@ -169,6 +173,7 @@ class TorchBackend : public c10d::Backend {
   std::shared_ptr<MessagePath> p2p_;  // null after shutdown
   c10::intrusive_ptr<c10d::Backend> cuda_link_;  // under mu_; null without CUDA and after shutdown
   std::atomic<int> error_{0};          // a c10d::ErrorType: the first failure's kind
+  std::atomic<uint64_t> sequence_{0};  // operations started (getSequenceNumberForGroup)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<TorchWork>> pending_;  // under mu_, in submission order

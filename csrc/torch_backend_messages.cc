@@ -26,6 +26,7 @@ c10::intrusive_ptr<c10d::Backend> TorchBackend::CudaMessages(const char* what) {
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   TORCH_CHECK(tensors.size() == 1, "hvdlite backend: send takes one tensor");
+  sequence_.fetch_add(1);
   // Note [CUDA point-to-point]
   if (tensors[0].is_cuda()) return CudaMessages("send")->send(tensors, dst, tag);
   return Messages("send")->Send(tensors[0], dst, tag);
@@ -33,12 +34,14 @@ c10::intrusive_ptr<c10d::Work> TorchBackend::send(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   TORCH_CHECK(tensors.size() == 1, "hvdlite backend: recv takes one tensor");
+  sequence_.fetch_add(1);
   if (tensors[0].is_cuda()) return CudaMessages("recv")->recv(tensors, src, tag);
   return Messages("recv")->Recv(tensors[0], src, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> TorchBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   TORCH_CHECK(tensors.size() == 1, "hvdlite backend: recv takes one tensor");
+  sequence_.fetch_add(1);
   TORCH_CHECK(!tensors[0].is_cuda(), "hvdlite backend: recv from any source into a CUDA tensor: NCCL, which "
               "carries them, has no receive from any source; name the source");
   return Messages("recv")->Recv(tensors[0], MessagePath::kAnySource, tag);

@@ -307,8 +307,15 @@ def _more_than_the_slots():
     a pair's 16 slots, two tags, inline and single-copy sizes mixed, and waits for none before
     rank 1 posts its receives, one tag's all before the other's: each tag's messages arrive in
     the order sent, and every send completes."""
-    rank, size, _ = _init()
+    rank, size, gloo = _init()
     assert _path() == "shared_memory"
+    # a rank sends to itself through its own mailbox (a pipeline with two stages on one rank
+    # does; Gloo refuses), small and large
+    for n in (5, 600_000):
+        out, into = _payload(rank, rank, n, shape=(n,)), torch.empty(n)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, rank), dist.P2POp(dist.irecv, into, rank)]):
+            work.wait()
+        assert torch.equal(into, out)
     sizes = [3 if i % 3 else 300_000 for i in range(40)]  # 1.2 MB: past the inline bytes
     if rank == 0:
         works = [dist.isend(_payload(0, 1, i, shape=(sizes[i],)), 1, tag=i % 2) for i in range(40)]
@@ -326,7 +333,7 @@ def _more_than_the_slots():
     return all(torch.equal(intos[i], _payload(0, 1, i, shape=(sizes[i],))) for i in range(40))
 
 
-def test_more_messages_than_a_pairs_slots_keep_their_order():
+def test_more_messages_than_a_pairs_slots_keep_their_order_and_a_rank_sends_to_itself():
     assert all(run_ranks(2, __name__, "_more_than_the_slots", timeout=90))
 
 

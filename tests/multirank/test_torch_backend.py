@@ -168,6 +168,33 @@ def test_a_shape_mismatch_raises_on_every_rank_naming_both_shapes():
         assert "shape mismatch" in message and "[2]" in message and "[3]" in message, message
 
 
+def _under_torch_debug_detail():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the group in torch's checking wrapper, which reads
+    the backend's sequence numbers: collectives and point-to-point run through it, and its
+    own check names a shape mismatch on every rank."""
+    rank, size = _init("store")
+    pg = dist.distributed_c10d._get_default_group()
+    assert type(pg._get_backend(torch.device("cpu"))).__name__ == "_ProcessGroupWrapper"
+    t = _data(rank)
+    dist.all_reduce(t)
+    assert torch.equal(t, sum(_data(r) for r in range(size)))
+    into = torch.empty(3, 4)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, _data(rank), 1 - rank),
+                                        dist.P2POp(dist.irecv, into, 1 - rank)]):
+        work.wait()
+    assert torch.equal(into, _data(1 - rank))
+    with pytest.raises(RuntimeError, match="Detected mismatch between collectives") as raised:
+        dist.all_reduce(torch.ones(2 + rank))
+    dist.destroy_process_group()
+    return str(raised.value)
+
+
+def test_torch_debug_detail_wraps_the_group_and_its_checks_run():
+    for rank, message in enumerate(Job(2, __name__, "_under_torch_debug_detail",
+                                       env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).wait(timeout=90)):
+        assert f"TensorShape=[{2 + rank}]" in message, message
+
+
 def _through_hvdlite_url(launcher, backend):
     if launcher != "hvdliterun":  # another launcher's variables only (given by the test)
         for key in [k for k in os.environ if k.startswith("HVDLITE_")]:
