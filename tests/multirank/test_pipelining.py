@@ -42,8 +42,9 @@ def _data(seed=1, rows=8):
 def _schedule(name, stages, loss_fn):
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                               ScheduleLoopedBFS)
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-           "looped": ScheduleLoopedBFS}[name]
+           "looped": ScheduleLoopedBFS, "zbv": ScheduleZBVZeroBubble}[name]
     return cls(stages[0] if len(stages) == 1 else stages, n_microbatches=MICRO, loss_fn=loss_fn)
 
 
@@ -71,9 +72,11 @@ def _stages(layers, ids, n_stages, group=None):
 
 def _pipeline(name):
     rank, size = _init()
-    per_rank = 2 if name in ("interleaved", "looped") else 1
+    per_rank = 2 if name in ("interleaved", "looped", "zbv") else 1
     n_stages = size * per_rank
     ids = [rank + i * size for i in range(per_rank)]
+    if name == "zbv":  # V-shaped: the middle two stages share the last rank, which sends to itself
+        ids = [rank, n_stages - 1 - rank]
     layers = _model()
     loss_fn = nn.MSELoss(reduction="sum")
     x, y = _data()
@@ -94,7 +97,8 @@ def _pipeline(name):
     return len(ids)
 
 
-@pytest.mark.parametrize("name,size", [("gpipe", 2), ("1f1b", 2), ("1f1b", 4), ("interleaved", 4), ("looped", 4)])
+@pytest.mark.parametrize("name,size", [("gpipe", 2), ("1f1b", 2), ("1f1b", 4), ("interleaved", 4), ("looped", 4),
+                                       ("zbv", 2)])
 def test_a_pipeline_schedule_matches_one_process(name, size):
     assert all(run_ranks(size, __name__, "_pipeline", name, timeout=120))
 
