@@ -3,6 +3,7 @@
 #include "futex.h"
 #include "shm_segment.h"
 
+#include <sched.h>
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -42,7 +43,8 @@ std::string Mailboxes::CopyWith(int64_t pid, bool read, char* local, uint64_t re
     iovec theirs{reinterpret_cast<void*>(remote + offset + done), static_cast<size_t>(bytes - done)};
     const ssize_t moved = read ? process_vm_readv(static_cast<pid_t>(pid), &mine, 1, &theirs, 1, 0)
                                : process_vm_writev(static_cast<pid_t>(pid), &mine, 1, &theirs, 1, 0);
-    if (moved <= 0) return std::strerror(errno);
+    if (moved < 0) return std::strerror(errno);
+    if (moved == 0) return "no bytes moved";
     done += moved;
   }
   return "";
@@ -71,6 +73,7 @@ std::string Mailboxes::ReceiverCopy(Mail& mail, int source, int64_t pid, char* i
   while (static_cast<int64_t>(mail.copied.load(std::memory_order_acquire)) < bytes) {
     Relax();
     if ((++spins & 4095) != 0) continue;
+    if (spins > (1u << 20)) sched_yield();  // a sender this slow is stopped or starved
     if (!ShmSegment::Running(pid)) return peer + " exited while its message was being copied";
     if (timeout.count() > 0 && Clock::now() - start > timeout) {
       return peer + " did not finish copying its message within the process group's timeout " + ShmSegment::Why(pid);

@@ -37,30 +37,7 @@ constexpr int kCheckMs = 10;  // peers' liveness and timeouts are checked this o
 constexpr auto kPoll = std::chrono::milliseconds(2);
 constexpr auto kPark = std::chrono::seconds(1);
 
-std::string Seconds(double s) {
-  std::ostringstream out;
-  out << s << " s";
-  return out.str();
-}
-
 }  // namespace
-
-struct ShmPointToPoint::Op {
-  bool send = false;
-  int peer = kAnySource;  // the destination of a send, the source asked for by a receive
-  int tag = 0;
-  std::string what;       // "send to rank 1 with tag 0"
-  at::Tensor user;        // the caller's tensor
-  at::Tensor data;        // contiguous: the bytes sent, or where a receive lands
-  int64_t words[kWords];  // this side's tensor
-  c10::intrusive_ptr<P2PWork> work;
-  Clock::time_point started = Clock::now();
-  std::string step;
-  uint64_t seq = 0;  // sends: the number among this rank's sends to `peer`
-  int slot = -1;     // sends: the slot while posted
-  bool ended = false;
-  std::exception_ptr error;
-};
 
 bool ShmPointToPoint::Usable(const ShmChannel& channel) {
   return channel.single_copy_enabled() && channel.segment().Mailbox() != nullptr && channel.segment().size() >= 2;
@@ -79,23 +56,31 @@ ShmPointToPoint::ShmPointToPoint(std::shared_ptr<ShmChannel> channel, std::chron
       timeout_(timeout),
       boxes_(segment_.Mailbox(), segment_.size()),
       next_seq_(segment_.size(), 0),
-      posted_(segment_.size(), 0) {
+      posted_(segment_.size(), 0),
+      completions_(std::make_shared<Completions>()) {
   if (segment_.Mailbox() == nullptr) throw std::runtime_error("shared-memory point-to-point: the segment has no mailboxes");
 }
 
 ShmPointToPoint::~ShmPointToPoint() {
   Abort("the process group was shut down");
+  AwaitHeldSlots();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;  // no thread starts after this
   }
   cv_.notify_all();
-  FutexWakeAll(&boxes_.Bell(rank_).ring);
-  if (thread_.joinable()) {
-    if (thread_.get_id() == std::this_thread::get_id()) {
-      thread_.detach();  // the last reference went in a callback on the progress thread
+  boxes_.Ring(rank_);
+  if (thread_.joinable()) thread_.join();  // it runs no caller's code, so it never gets here itself
+  {
+    std::lock_guard<std::mutex> lock(completions_->mu);
+    completions_->stop = true;
+  }
+  completions_->cv.notify_all();
+  if (completer_.joinable()) {
+    if (completer_.get_id() == std::this_thread::get_id()) {
+      completer_.detach();  // a callback let go of the last reference; the loop touches only completions_
     } else {
-      thread_.join();
+      completer_.join();
     }
   }
 }
@@ -142,7 +127,11 @@ void ShmPointToPoint::Start(const std::shared_ptr<Op>& op) {
     if (op->send) op->seq = next_seq_[op->peer]++;
     live_.push_back(op);
     // the progress thread starts with the first operation: a group that never sends has none
-    if (!thread_.joinable() && !stopping_) thread_ = std::thread([this] { ProgressLoop(); });
+    if (!thread_.joinable() && !stopping_) {
+      completer_ = std::thread([completions = completions_] { CompleteLoop(completions); });
+      completer_id_.store(completer_.get_id());
+      thread_ = std::thread([this] { ProgressLoop(); });
+    }
     Progress(&ended);  // a send posts now; a receive takes a message already there
   }
   Complete(ended);
@@ -154,7 +143,7 @@ void ShmPointToPoint::Start(const std::shared_ptr<Op>& op) {
 bool ShmPointToPoint::Progress(std::vector<std::shared_ptr<Op>>* ended) {
   bool did = false;
   for (const std::shared_ptr<Op>& op : live_) {
-    if (op->send && !op->ended) did |= HelpCopy(*op) || ReapSend(*op);
+    if (op->send && op->slot >= 0) did |= HelpCopy(*op) || ReapSend(*op);
   }
   did |= PostSends(ended);
   // Note [Point-to-point through shared memory]: every receive of this pass sees the messages
@@ -170,11 +159,19 @@ bool ShmPointToPoint::Progress(std::vector<std::shared_ptr<Op>>* ended) {
       if (!op->send && !op->ended) did |= MatchReceive(op);
     }
   }
+  bool gone = false;
   for (const std::shared_ptr<Op>& op : live_) {
-    if (op->ended) ended->push_back(op);
+    if (op->ended && !op->completed) {
+      op->completed = true;
+      ended->push_back(op);
+    }
+    gone |= op->ended && op->slot < 0;
   }
-  if (!ended->empty()) {
-    live_.erase(std::remove_if(live_.begin(), live_.end(), [](const std::shared_ptr<Op>& op) { return op->ended; }),
+  // Note [Operations that outlive their outcome]: a send whose slot a receiver still holds
+  // stays (its tensor with it) until the slot comes back.
+  if (gone) {
+    live_.erase(std::remove_if(live_.begin(), live_.end(),
+                               [](const std::shared_ptr<Op>& op) { return op->ended && op->slot < 0; }),
                 live_.end());
   }
   return did;
@@ -229,8 +226,14 @@ bool ShmPointToPoint::MatchReceive(const std::shared_ptr<Op>& op) {
         if (best == nullptr || mail.seq < best->seq) best = &mail;
       }
       if (best == nullptr) break;
+      const uint64_t seq = best->seq;
       uint32_t full = Mail::kFull;
       if (!best->state.compare_exchange_strong(full, Mail::kClaimed, std::memory_order_acq_rel)) continue;  // withdrawn
+      if (best->seq != seq || best->sent[1] != op->tag) {
+        // withdrawn and refilled between the scan and the claim: not the message scanned
+        best->state.store(Mail::kFull, std::memory_order_release);
+        continue;
+      }
       Take(*op, source, *best);
       return true;
     }
@@ -258,6 +261,12 @@ void ShmPointToPoint::Take(Op& op, int source, Mail& mail) {
       unreadable = boxes_.ReceiverCopy(mail, source, segment_.pid(source), into, bytes, timeout_);
     }
   }
+  int64_t sent[message_words::kWords];  // the slot is the sender's again once taken
+  std::memcpy(sent, mail.sent, sizeof(sent));
+  if (!unreadable.empty() && static_cast<int64_t>(mail.copied.load()) < bytes && bytes >= Mailboxes::kSharedCopyMin) {
+    // Note [Operations that outlive their outcome]: the sender may still finish its chunk
+    orphans_.push_back({op.data, &mail, mail.seq, bytes, segment_.pid(source)});
+  }
   std::memcpy(mail.answer, op.words, sizeof(op.words));
   mail.answer[6] = !agree ? Mail::kRefused : unreadable.empty() ? Mail::kAccepted : Mail::kUnreadable;
   mail.state.store(Mail::kTaken, std::memory_order_release);
@@ -266,7 +275,7 @@ void ShmPointToPoint::Take(Op& op, int source, Mail& mail) {
   if (!unreadable.empty()) {
     Fail(op, unreadable, c10d::ErrorType::COMM_ERROR);
   } else if (!agree) {
-    Fail(op, peer + " sent " + message_words::Shown(mail.sent) + ", but rank " + std::to_string(rank_) +
+    Fail(op, peer + " sent " + message_words::Shown(sent) + ", but rank " + std::to_string(rank_) +
                  " receives into " + message_words::Shown(op.words) + ": the dtype or the number of elements differs",
          c10d::ErrorType::SUCCESS);
   } else {
@@ -291,7 +300,9 @@ bool ShmPointToPoint::ReapSend(Op& op) {
   const std::string theirs = message_words::Shown(mail.answer);
   mail.state.store(Mail::kEmpty, std::memory_order_release);
   op.slot = -1;
-  if (verdict == Mail::kAccepted) {
+  if (op.ended) {
+    // failed while the receiver held it (Note [Operations that outlive their outcome])
+  } else if (verdict == Mail::kAccepted) {
     op.ended = true;
   } else if (verdict == Mail::kUnreadable) {
     Fail(op, peer + " could not read the message from this process's memory", c10d::ErrorType::COMM_ERROR);
@@ -303,49 +314,6 @@ bool ShmPointToPoint::ReapSend(Op& op) {
   return true;
 }
 
-void ShmPointToPoint::Fail(Op& op, const std::string& why, c10d::ErrorType kind) {
-  if (op.send && op.slot >= 0) {  // withdraw it, unless the receiver is reading it
-    uint32_t full = Mail::kFull;
-    if (boxes_.Slot(rank_, op.peer, op.slot).state.compare_exchange_strong(full, Mail::kEmpty)) op.slot = -1;
-  }
-  op.error = message_words::DistError("hvdlite backend: " + op.what + ": " + why);
-  op.ended = true;
-  if (kind != c10d::ErrorType::SUCCESS) {
-    int none = 0;
-    error_.compare_exchange_strong(none, static_cast<int>(kind));
-  }
-}
-
-void ShmPointToPoint::CheckPeers(std::vector<std::shared_ptr<Op>>* ended) {
-  const Clock::time_point now = Clock::now();
-  for (const std::shared_ptr<Op>& op : live_) {
-    if (op->ended) continue;
-    for (int peer = 0; peer < size_ && !op->ended; ++peer) {
-      if (peer == rank_ || (op->peer != kAnySource && op->peer != peer)) continue;
-      const std::string name = "rank " + std::to_string(peer);
-      const int64_t pid = segment_.pid(peer);
-      if (op->send && op->slot >= 0 &&
-          boxes_.Slot(rank_, op->peer, op->slot).state.load() >= Mail::kClaimed && ShmSegment::Running(pid)) {
-        continue;  // being read now
-      }
-      if (!ShmSegment::Running(pid)) {
-        op->slot = -1;  // nobody will read it
-        Fail(*op, name + " (pid " + std::to_string(pid) + ") exited", c10d::ErrorType::COMM_ERROR);
-      } else if (boxes_.Bell(peer).closed.load() != 0) {
-        Fail(*op, name + " shut down or aborted its process group", c10d::ErrorType::COMM_ERROR);
-      }
-    }
-    if (!op->ended && timeout_.count() > 0 && now - op->started > timeout_) {
-      const std::string waited = Seconds(std::chrono::duration<double>(timeout_).count());
-      const std::string why =
-          op->peer == kAnySource ? "" : " " + ShmSegment::Why(segment_.pid(op->peer));
-      Fail(*op, op->step + ": still waiting after " + waited + " (the process group's timeout)" + why,
-           c10d::ErrorType::TIMEOUT);
-    }
-  }
-  Progress(ended);  // gathers the ones failed here
-}
-
 void ShmPointToPoint::Complete(std::vector<std::shared_ptr<Op>>& ended) {
   for (const std::shared_ptr<Op>& op : ended) {
     if (op->error) {
@@ -355,6 +323,29 @@ void ShmPointToPoint::Complete(std::vector<std::shared_ptr<Op>>& ended) {
     }
   }
   ended.clear();
+}
+
+void ShmPointToPoint::HandOff(std::vector<std::shared_ptr<Op>>& ended) {
+  if (ended.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(completions_->mu);
+    completions_->queue.insert(completions_->queue.end(), ended.begin(), ended.end());
+  }
+  completions_->cv.notify_one();
+  ended.clear();
+}
+
+void ShmPointToPoint::CompleteLoop(std::shared_ptr<Completions> completions) {
+  std::unique_lock<std::mutex> lock(completions->mu);
+  for (;;) {
+    completions->cv.wait(lock, [&] { return completions->stop || !completions->queue.empty(); });
+    if (completions->queue.empty()) return;  // stopped
+    std::vector<std::shared_ptr<Op>> batch;
+    batch.swap(completions->queue);
+    lock.unlock();
+    Complete(batch);  // may run callbacks, even the path's destructor: only `completions` is used after
+    lock.lock();
+  }
 }
 
 bool ShmPointToPoint::TryProgress() {
@@ -370,6 +361,21 @@ bool ShmPointToPoint::TryProgress() {
 }
 
 void ShmPointToPoint::BeforeWait(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+  if (std::this_thread::get_id() == completer_id_.load()) {
+    // a callback on the completion thread waits: nobody else would complete what it waits
+    // for (Note [Operations that outlive their outcome]), so it does that work itself
+    while (!future->completed()) {
+      const bool did = TryProgress();
+      std::vector<std::shared_ptr<Op>> batch;
+      {
+        std::lock_guard<std::mutex> lock(completions_->mu);
+        batch.swap(completions_->queue);
+      }
+      Complete(batch);
+      if (!did) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return;
+  }
   spinners_.fetch_add(1);
   const Clock::time_point start = Clock::now();
   unsigned spins = 0;
@@ -420,36 +426,18 @@ void ShmPointToPoint::ProgressLoop() {
       me.sleepers.fetch_add(1);
       did |= Progress(&ended);
       lock.unlock();
-      Complete(ended);
+      HandOff(ended);
       if (!did) FutexWait(&me.ring, seen, kCheckMs);
       me.sleepers.fetch_sub(1);
       lock.lock();
     } else {
       lock.unlock();
-      Complete(ended);
+      HandOff(ended);
       lock.lock();
       // Note [Waiting callers move messages along]: a spinning caller watches the doorbell.
       if (spinners_.load() > 0 && !stopping_) cv_.wait_for(lock, kPoll);
     }
   }
-}
-
-void ShmPointToPoint::Abort(const std::string& why) {
-  std::vector<std::shared_ptr<Op>> ended;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (aborted_.empty()) aborted_ = why.empty() ? "aborted" : why;
-    for (const std::shared_ptr<Op>& op : live_) {
-      if (!op->ended) Fail(*op, aborted_, c10d::ErrorType::COMM_ERROR);
-    }
-    Progress(&ended);
-  }
-  Complete(ended);
-  boxes_.Bell(rank_).closed.store(1);
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer != rank_) boxes_.Ring(peer);
-  }
-  cv_.notify_all();
 }
 
 std::vector<std::string> ShmPointToPoint::Pending() const {

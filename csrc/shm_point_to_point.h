@@ -38,6 +38,17 @@
 // Limit: a sender keeps at most 16 messages unreceived in one pair's slots; a receiver that
 // blocks on a 17th before posting receives for the earlier ones waits for the timeout.
 //
+// Note [Operations that outlive their outcome]
+// A send's outcome can be known (aborted, the group shut down) while its receiver is still
+// copying its bytes: the operation's future fails at once, but the operation, with its tensor,
+// stays until the receiver gives the slot back (or exits), and the destructor waits for that
+// (at most 10 s), so no receiver reads memory the sender has freed. Nothing times out a send
+// whose receiver is reading it: the receiver's own timeout bounds the copy. A receive that gave
+// up on a sender stopped in the middle of writing a chunk keeps its buffer (an Orphan) until
+// that chunk is written or the sender exits. The progress thread completes no future itself:
+// a completion thread does, so a callback that blocks or lets go of the path stops nothing (a
+// callback there that waits on another operation runs the progress and the completions itself).
+//
 // Note [Waiting callers move messages along]
 // The latency of a small message is the time until somebody on the receiving rank notices it.
 // A caller that waits on a Work spins, moving every pending operation along, for 20 us, then
@@ -54,6 +65,7 @@
 #include "shm_mailbox.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 
 #include <atomic>
 #include <chrono>
@@ -95,6 +107,8 @@ class ShmPointToPoint : public MessagePath, public std::enable_shared_from_this<
 
  private:
   struct Op;
+  struct Orphan;
+  struct Completions;
   ShmPointToPoint(std::shared_ptr<ShmChannel> channel, std::chrono::milliseconds timeout);
   void Start(const std::shared_ptr<Op>& op);
   // Under mu_: moves every pending operation as far as it goes without waiting; appends the
@@ -110,7 +124,12 @@ class ShmPointToPoint : public MessagePath, public std::enable_shared_from_this<
   void CheckPeers(std::vector<std::shared_ptr<Op>>* ended);
   void Fail(Op& op, const std::string& why, c10d::ErrorType kind);
   // Completes the futures of `ended` (never under mu_: a callback may call in again).
-  void Complete(std::vector<std::shared_ptr<Op>>& ended);
+  static void Complete(std::vector<std::shared_ptr<Op>>& ended);
+  // The progress thread's completions go to the completion thread (Completions).
+  void HandOff(std::vector<std::shared_ptr<Op>>& ended);
+  static void CompleteLoop(std::shared_ptr<Completions> completions);
+  // The destructor's wait for receivers still reading this rank's sends.
+  void AwaitHeldSlots();
   bool TryProgress();
   void ProgressLoop();
 
@@ -131,7 +150,50 @@ class ShmPointToPoint : public MessagePath, public std::enable_shared_from_this<
   std::atomic<int> spinners_{0};           // callers moving operations along
   std::atomic<bool> parked_{false};        // the progress thread waits to be woken
   std::atomic<int> error_{0};              // a c10d::ErrorType
-  std::thread thread_;  // started under mu_ by the first operation
+  std::vector<Orphan> orphans_;             // under mu_
+  const std::shared_ptr<Completions> completions_;
+  std::thread thread_;     // started under mu_ by the first operation
+  std::thread completer_;  // started with thread_
+  std::atomic<std::thread::id> completer_id_{};
+};
+
+// The private parts both of its files use (shm_point_to_point.cc: messages moving;
+// shm_point_to_point_failures.cc: failures, abort and what outlives them).
+struct ShmPointToPoint::Op {
+  bool send = false;
+  int peer = kAnySource;  // the destination of a send, the source asked for by a receive
+  int tag = 0;
+  std::string what;       // "send to rank 1 with tag 0"
+  at::Tensor user;        // the caller's tensor
+  at::Tensor data;        // contiguous: the bytes sent, or where a receive lands
+  int64_t words[message_words::kWords];  // this side's tensor
+  c10::intrusive_ptr<P2PWork> work;
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+  std::string step;
+  uint64_t seq = 0;  // sends: the number among this rank's sends to `peer`
+  int slot = -1;     // sends: the slot while posted (and while a receiver still holds it)
+  bool ended = false;      // the outcome is known (error or not)
+  bool completed = false;  // its future was handed to be completed
+  std::exception_ptr error;
+};
+
+// Note [Operations that outlive their outcome]: a receive that gave up on a sender stopped in
+// the middle of writing a chunk keeps its buffer (and the slot it watches) here.
+struct ShmPointToPoint::Orphan {
+  at::Tensor keep;  // the bytes the sender may still write into
+  Mail* mail;
+  uint64_t seq;
+  int64_t bytes;
+  int64_t pid;
+};
+
+// Futures the progress thread completes go to a thread of their own, which holds none of the
+// path: a callback that blocks there, or drops the path's last reference, stops nothing.
+struct ShmPointToPoint::Completions {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::shared_ptr<Op>> queue;
+  bool stop = false;
 };
 
 }  // namespace hvdlite

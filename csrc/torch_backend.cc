@@ -548,10 +548,13 @@ void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*wai
 }
 
 void TorchBackend::abort() {
+  std::shared_ptr<MessagePath> p2p;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (p2p_) p2p_->Abort("the process group was aborted");
+    p2p = p2p_;
   }
+  // not under mu_: failing the pending operations runs their callbacks, which may call in
+  if (p2p) p2p->Abort("the process group was aborted");
   int none = 0;
   error_.compare_exchange_strong(none, static_cast<int>(c10d::ErrorType::COMM_ERROR));
   shutdown();

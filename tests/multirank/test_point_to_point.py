@@ -361,3 +361,32 @@ def _irecv_before_a_collective():
 
 def test_an_irecv_nobody_waits_on_is_taken_while_its_rank_blocks_in_a_collective():
     assert all(run_ranks(2, __name__, "_irecv_before_a_collective", timeout=60))
+
+
+def _callback_that_receives():
+    """A callback on an irecv's future that itself blocks in a recv: the progress thread that
+    took the first message does not run it (a completion thread does), so the second message
+    is still taken and both values arrive."""
+    rank, size, _ = _init()
+    assert _path() == "shared_memory"
+    if rank == 0:
+        first, second = torch.empty(3), torch.empty(4)
+
+        def then(_):
+            dist.recv(second, 1, tag=2)
+            return second.clone()
+
+        chained = dist.irecv(first, 1, tag=1).get_future().then(then)
+        got = chained.wait()
+        assert torch.equal(first, _payload(1, 0, 1, shape=(3,))) and torch.equal(got, _payload(1, 0, 2, shape=(4,)))
+    else:
+        time.sleep(0.3)  # rank 0 blocks in the future's wait, so its progress thread takes the first
+        dist.send(_payload(1, 0, 1, shape=(3,)), 0, tag=1)
+        time.sleep(0.3)
+        dist.send(_payload(1, 0, 2, shape=(4,)), 0, tag=2)
+    dist.destroy_process_group()
+    return True
+
+
+def test_a_callback_that_receives_does_not_stop_the_messages_it_waits_for():
+    assert all(run_ranks(2, __name__, "_callback_that_receives", timeout=60))
