@@ -9,8 +9,9 @@
 // (ShmPointToPoint) serialises its own threads.
 //
 // Note [Large messages copied from both ends]
-// One process_vm_readv moves about 7 GB/s here, a quarter of what memcpy does (it pins the
-// sender's pages as it goes), so a message of kSharedCopyMin (1 MB) or more is copied by both
+// One process_vm_readv moves data several times slower than memcpy (it pins the sender's pages
+// as it goes; measured: docs/performance.md, Design measurements), so a message of
+// kSharedCopyMin (1 MB) or more is copied by both
 // ends at once: the receiver publishes where its bytes go and marks the slot copying, and then
 // each side claims kChunk (512 KB) chunks from the slot's counter until none are left, the
 // receiver reading by process_vm_readv (ReceiverCopy), the sender (whenever a thread of it moves
