@@ -56,8 +56,29 @@ void ShmPointToPoint::CheckPeers(std::vector<std::shared_ptr<Op>>* ended) {
       }
       continue;
     }
-    for (int peer = 0; peer < size_ && !op->ended; ++peer) {
-      if (peer == rank_ || (op->peer != kAnySource && op->peer != peer)) continue;
+    if (op->peer == kAnySource) {
+      // a receive from any rank fails when a rank crashed (exited without closing), or when
+      // every other rank has closed; one rank that finished and shut down is not its failure
+      std::string crashed;
+      int open = 0;
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer == rank_) continue;
+        const int64_t pid = segment_.pid(peer);
+        const bool closed = boxes_.Bell(peer).closed.load() != 0;
+        const bool running = ShmSegment::Running(pid);
+        if (!running && !closed && crashed.empty()) {
+          crashed = "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") exited";
+        }
+        open += running && !closed;
+      }
+      if (!crashed.empty()) {
+        Fail(*op, crashed, c10d::ErrorType::COMM_ERROR);
+      } else if (open == 0) {
+        Fail(*op, "every other rank shut down or aborted its process group", c10d::ErrorType::COMM_ERROR);
+      }
+    }
+    for (int peer = 0; peer < size_ && !op->ended && op->peer != kAnySource; ++peer) {
+      if (peer == rank_ || op->peer != peer) continue;
       const std::string name = "rank " + std::to_string(peer);
       const int64_t pid = segment_.pid(peer);
       if (op->send && op->slot >= 0 &&

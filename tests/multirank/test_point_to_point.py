@@ -390,3 +390,27 @@ def _callback_that_receives():
 
 def test_a_callback_that_receives_does_not_stop_the_messages_it_waits_for():
     assert all(run_ranks(2, __name__, "_callback_that_receives", timeout=60))
+
+
+def _any_source_after_one_rank_left():
+    """A receive from any rank is not failed by a rank that finished and shut its group down
+    (only by one that crashed, or by every other rank leaving): rank 2 leaves first, rank 1
+    sends later, rank 0 receives it."""
+    rank, size, _ = _init()
+    assert _path() == "shared_memory"
+    if rank == 2:
+        dist.destroy_process_group()
+        return True
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 waits meanwhile; rank 2 has gone
+        dist.send(_payload(1, 0, 5, shape=(3,)), 0, tag=5)
+    else:
+        into = torch.empty(3)
+        assert dist.recv(into, tag=5) == 1
+        assert torch.equal(into, _payload(1, 0, 5, shape=(3,)))
+    dist.destroy_process_group()
+    return True
+
+
+def test_a_receive_from_any_rank_outlives_a_rank_that_left_cleanly():
+    assert all(run_ranks(3, __name__, "_any_source_after_one_rank_left", timeout=60))
