@@ -179,6 +179,11 @@ bool ShmPointToPoint::Progress(std::vector<std::shared_ptr<Op>>* ended) {
 
 bool ShmPointToPoint::PostSends(std::vector<std::shared_ptr<Op>>* /*ended*/) {
   bool did = false;
+  // the caller's spin runs this on every turn: nothing to post, nothing allocated
+  if (std::none_of(live_.begin(), live_.end(),
+                   [](const std::shared_ptr<Op>& op) { return op->send && !op->ended && op->slot < 0; })) {
+    return false;
+  }
   std::vector<char> blocked(size_, 0);  // a destination whose earlier send found no slot
   for (const std::shared_ptr<Op>& op : live_) {
     if (!op->send || op->ended || op->slot >= 0 || blocked[op->peer]) continue;
@@ -295,10 +300,12 @@ bool ShmPointToPoint::ReapSend(Op& op) {
   if (op.slot < 0) return false;
   Mail& mail = boxes_.Slot(rank_, op.peer, op.slot);
   if (mail.state.load(std::memory_order_acquire) != Mail::kTaken) return false;
-  const std::string peer = "rank " + std::to_string(op.peer);
   const int64_t verdict = mail.answer[6];
-  const std::string theirs = message_words::Shown(mail.answer);
+  // the receiver's words, for an error only (read before the slot goes back to the sender)
+  int64_t answer[message_words::kWords];
+  if (verdict != Mail::kAccepted) std::memcpy(answer, mail.answer, sizeof(answer));
   mail.state.store(Mail::kEmpty, std::memory_order_release);
+  const std::string peer = verdict == Mail::kAccepted ? "" : "rank " + std::to_string(op.peer);
   op.slot = -1;
   if (op.ended) {
     // failed while the receiver held it (Note [Operations that outlive their outcome])
@@ -307,7 +314,7 @@ bool ShmPointToPoint::ReapSend(Op& op) {
   } else if (verdict == Mail::kUnreadable) {
     Fail(op, peer + " could not read the message from this process's memory", c10d::ErrorType::COMM_ERROR);
   } else {
-    Fail(op, peer + " receives into " + theirs + ", but rank " + std::to_string(rank_) + " sent " +
+    Fail(op, peer + " receives into " + message_words::Shown(answer) + ", but rank " + std::to_string(rank_) + " sent " +
                  message_words::Shown(op.words) + ": the dtype or the number of elements differs",
          c10d::ErrorType::SUCCESS);
   }
