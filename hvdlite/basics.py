@@ -44,6 +44,10 @@ _RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def _is_loopback(addr):
+    try:  # an address needs no lookup (a name's lookup imports the idna codec: 3 ms at init)
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        pass
     try:
         return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
     except (OSError, ValueError):

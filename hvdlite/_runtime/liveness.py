@@ -38,12 +38,11 @@ def _addresses():
 
 
 def publish(store, prefix, rank, extra=None):
-    info = {"host": socket.gethostname(), "pid": os.getpid(), **(extra or {})}
-    try:
-        info["addr"] = socket.gethostbyname(info["host"])
-    except OSError:
-        info["addr"] = ""
-    info["addrs"] = _addresses()
+    # The interfaces' addresses, not a lookup of the host name: the transport names a peer by
+    # one of them, and a lookup is a name server's round trip per rank (on a host whose
+    # resolver cannot reach its server, a 5 s timeout) for an address that is either among them
+    # or one no peer connects from.
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "addrs": _addresses(), **(extra or {})}
     store.set(prefix + keys.proc(rank), json.dumps(info))
 
 
@@ -130,7 +129,7 @@ def describe(peers, my_rank, message, store=None, prefix="", wait_seconds=1.0):
     if match:
         addr = match.group(1)
         ranks = [r for r, p in enumerate(peers)
-                 if r != my_rank and (addr in (p.get("addr"), p["host"]) or addr in p.get("addrs", ()))]
+                 if r != my_rank and (addr == p["host"] or addr in p.get("addrs", ()))]
         if ranks and addr not in ("127.0.0.1", "::1"):
             host = peers[ranks[0]]["host"]
             return f"the peer at {addr} (host {host}, ranks {ranks}) stopped answering", ranks
