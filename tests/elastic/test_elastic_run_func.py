@@ -3,6 +3,7 @@ final generation's results."""
 import os
 import tempfile
 
+import pytest
 import torch
 
 import hvdlite as hvd
@@ -43,3 +44,61 @@ def test_run_with_a_discovery_script_returns_the_final_ranks_results():
         # Five steps on three ranks, then (after rolling back to the commit at step 5) seven on two.
         assert sizes == [3] * 5 + [2] * 7, sizes
         assert total == sum(sizes)
+
+
+def last_host_dies(steps, last_host):
+    """Every rank adds up `steps` allreduced sums of 1; the worker of `last_host` dies at step 3,
+    so the job runs two generations. Returns (rank, size, total)."""
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0, total=0.0)
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            if os.environ["HVDLITE_HOSTNAME"] == last_host and state.step == 3:
+                os._exit(3)
+            state.total += hvd.allreduce(torch.ones(1), op=hvd.Sum, name="ones").item()
+            state.step += 1
+            state.commit()
+        return hvd.rank(), hvd.size(), state.total
+
+    return train(state)
+
+
+def _store_requests_of_an_elastic_job(monkeypatch, hosts):
+    """Runs last_host_dies on `hosts` hosts of one slot each; returns the requests the launcher's
+    store answered, counted by the store itself."""
+    from hvdlite._job import server as _server
+    servers = []
+    start = _server.RendezvousServer.start
+
+    def keep(self):
+        servers.append(self)
+        return start(self)
+    monkeypatch.setattr(_server.RendezvousServer, "start", keep)
+    names = [f"127.0.0.{i + 1}" for i in range(hosts)]
+    with tempfile.NamedTemporaryFile("w", suffix=".hosts", delete=False) as f:
+        f.write("".join(f"{name}:1\n" for name in names))
+    try:
+        results = run(last_host_dies, args=(6, names[-1]), np=hosts, host_discovery_script=f"cat {f.name}",
+                      min_np=1, env={"OMP_NUM_THREADS": "1"})
+    finally:
+        os.unlink(f.name)
+    # Three steps on every host, then (rolled back to the commit at step 3) three more on the rest
+    assert sorted(results) == [(r, hosts - 1, 3.0 * hosts + 3.0 * (hosts - 1)) for r in range(hosts - 1)], results
+    assert len(servers) == 1, servers
+    return sum(servers[0].requests_by_rank().values())
+
+
+@pytest.mark.slow
+def test_store_requests_per_rank_and_generation_do_not_grow_with_the_job(monkeypatch):
+    """An elastic generation costs each worker the same few store requests whatever the job's
+    size: asking for its place and the hosts-updated notice (Note [Elastic rendezvous]), init's
+    (tests/launcher/test_store_scale.py), and after a lost peer the census and the failure
+    report (Note [Failure census]). Two generations each: N workers, then N - 1."""
+    per_worker_generation = {}
+    for hosts in (3, 5):
+        requests = _store_requests_of_an_elastic_job(monkeypatch, hosts)
+        per_worker_generation[hosts] = requests / (hosts + hosts - 1)
+    assert per_worker_generation[3] == per_worker_generation[5], per_worker_generation
+    assert per_worker_generation[5] <= 16, per_worker_generation
