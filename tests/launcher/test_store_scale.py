@@ -1,7 +1,8 @@
 """The rendezvous store at a thousand clients (Note [One loop serves the store] in
 hvdlite/_job/server.py): one thread whatever the number of connections, blocking requests parked
 and answered when their keys arrive, MULTI_GET and MULTI_SET as single requests, and the
-requests one hvd.init() makes per rank counted at three job sizes."""
+requests one hvd.init() and one init_process_group("hvdlite") make per rank counted at three
+job sizes."""
 import os
 import resource
 import socket
@@ -106,12 +107,20 @@ def _init_and_shutdown():
     return True
 
 
-def _requests_per_rank(size, **env):
+def _backend_group_and_destroy():
+    import torch.distributed as dist
+    import hvdlite  # noqa: F401  (registers the backend)
+    dist.init_process_group("hvdlite", init_method="hvdlite://")
+    dist.destroy_process_group()
+    return True
+
+
+def _requests_per_rank(size, job="_init_and_shutdown", **env):
     server = RendezvousServer(new_secret()).start()
     try:
         env = {"HVDLITE_RENDEZVOUS_SECRET": server.secret, "HVDLITE_RENDEZVOUS_PORT": str(server.port),
                "HVDLITE_CPU_CHANNELS": "2", **env}
-        assert all(Job(size, "tests.launcher.test_store_scale", "_init_and_shutdown", env=env).wait(timeout=120))
+        assert all(Job(size, "tests.launcher.test_store_scale", job, env=env).wait(timeout=120))
         counts = server.requests_by_rank()
     finally:
         server.stop()
@@ -135,3 +144,14 @@ def test_init_makes_at_most_ten_requests_per_rank_whatever_the_size(env):
     per_rank = {size: set(c.values()) for size, c in counts.items()}
     assert max(max(v) for v in per_rank.values()) <= 10, per_rank
     assert len(set.union(*per_rank.values())) == 1, per_rank  # the same at every size and rank
+
+
+@pytest.mark.slow
+def test_a_process_group_of_the_backend_makes_as_few_requests_per_rank_whatever_the_size():
+    """init_process_group("hvdlite") through hvdliterun's store (init_method="hvdlite://")
+    builds its engine as hvd.init() does, so its requests per rank do not grow with the job
+    either (those torch's own rendezvous adds included)."""
+    counts = {size: _requests_per_rank(size, "_backend_group_and_destroy") for size in (2, 4, 8)}
+    per_rank = {size: set(c.values()) for size, c in counts.items()}
+    assert max(max(v) for v in per_rank.values()) <= 10, per_rank
+    assert len(set.union(*per_rank.values())) == 1, per_rank
