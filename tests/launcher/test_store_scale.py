@@ -9,10 +9,11 @@ import socket
 import threading
 
 import pytest
+import torch.distributed as dist
 
 from hvdlite._job.wire import _mac, encode_frame, recv_frame
 from hvdlite.runner.rendezvous import RendezvousClient, RendezvousServer, new_secret
-from tests.harness import Job
+from tests.harness import Job, run_ranks
 
 CLIENTS = 1000
 
@@ -115,6 +116,72 @@ def _backend_group_and_destroy():
     return True
 
 
+class _CountingStore(dist.Store):
+    """A store that counts the calls made to the one it wraps: on a TCPStore each is a request
+    (multi_get and multi_set included)."""
+
+    def __init__(self, store):
+        super().__init__()
+        self._store, self.calls = store, 0
+        super().set_timeout(store.timeout)
+
+    def _call(self, name, *args):
+        self.calls += 1
+        return getattr(self._store, name)(*args)
+
+    def set(self, key, value):
+        return self._call("set", key, value)
+
+    def get(self, key):
+        return self._call("get", key)
+
+    def wait(self, keys, *timeout):
+        return self._call("wait", keys, *timeout)
+
+    def check(self, keys):
+        return self._call("check", keys)
+
+    def add(self, key, value):
+        return self._call("add", key, value)
+
+    def multi_get(self, keys):
+        return self._call("multi_get", keys)
+
+    def multi_set(self, keys, values):
+        return self._call("multi_set", keys, values)
+
+    def compare_set(self, key, expected, desired):
+        return self._call("compare_set", key, expected, desired)
+
+    def delete_key(self, key):
+        return self._call("delete_key", key)
+
+    def num_keys(self):
+        return self._call("num_keys")
+
+    def has_extended_api(self):
+        return True
+
+
+def _init_through_a_plain_store():
+    """hvd.init() as under torchrun, mpirun or srun: the job's TCPStore, no hvdliterun store;
+    returns the calls init() made to it."""
+    import hvdlite as hvd
+    from hvdlite import basics
+    made = []
+    plain = basics._store_for
+
+    def counted(rendezvous, topology):
+        store = plain(rendezvous, topology)
+        assert isinstance(store, dist.TCPStore), store  # the plain path, not hvdliterun's store
+        made.append(_CountingStore(store))
+        return made[-1]
+    basics._store_for = counted
+    hvd.init()
+    hvd.shutdown()
+    return made[0].calls
+
+
 def _requests_per_rank(size, job="_init_and_shutdown", **env):
     server = RendezvousServer(new_secret()).start()
     try:
@@ -153,5 +220,18 @@ def test_a_process_group_of_the_backend_makes_as_few_requests_per_rank_whatever_
     either (those torch's own rendezvous adds included)."""
     counts = {size: _requests_per_rank(size, "_backend_group_and_destroy") for size in (2, 4, 8)}
     per_rank = {size: set(c.values()) for size, c in counts.items()}
+    assert max(max(v) for v in per_rank.values()) <= 10, per_rank
+    assert len(set.union(*per_rank.values())) == 1, per_rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{}, _ACROSS_HOSTS], ids=["one host", "as across hosts"])
+def test_init_through_torchruns_store_makes_as_few_requests_whatever_the_size(env):
+    """Under torchrun, mpirun or srun hvd.init() rendezvouses through the job's TCPStore, where
+    multi_get and multi_set are single requests too: the calls init() makes to it (counted by a
+    wrapper in each rank) are the same few at every size and rank."""
+    calls = {size: run_ranks(size, "tests.launcher.test_store_scale", "_init_through_a_plain_store", env={"HVDLITE_CPU_CHANNELS": "2", **env},
+                             timeout=120) for size in (2, 4, 8)}
+    per_rank = {size: set(c) for size, c in calls.items()}
     assert max(max(v) for v in per_rank.values()) <= 10, per_rank
     assert len(set.union(*per_rank.values())) == 1, per_rank
