@@ -136,6 +136,7 @@ class IoLoop:
             if self._children and now >= self._next_sweep:  # pipes that outlive their child
                 self._next_sweep = now + SWEEP_SECONDS
                 for child in [c for c in self._children if not c.armed and c.process.poll() is not None]:
+                    self._drain(child)
                     self._finish(child)
 
     def _arm(self, child: _Child) -> None:
@@ -174,17 +175,26 @@ class IoLoop:
             if watch.open_pipes == 0:
                 self._arm(watch)
 
-    def _read(self, pipe: _Pipe) -> None:
+    def _drain(self, child: _Child) -> None:
+        """Hands on what an exited child's pipes hold before its exit is (the sweep can see the
+        exit before the loop has read the last lines): every line it wrote comes first. Lines a
+        process it started writes later still follow."""
+        for pipe in [p for p in self._pipes_by_fd.values() if p.child is child]:
+            while self._read(pipe):
+                pass
+
+    def _read(self, pipe: _Pipe) -> bool:
+        """Reads what `pipe` holds once; True when it read bytes and the pipe is still open."""
         try:
             data = os.read(pipe.fd, _READ_BYTES)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             data = b""
         if data and pipe.reader is not None:
             try:
                 pipe.reader.feed(data)
-                return
+                return True
             except ValueError:
                 data = b""  # a malformed stream: ended
         if not data:
@@ -206,7 +216,7 @@ class IoLoop:
                 with self._lock:
                     self._open_pipes -= 1
                     self._pipes_closed.notify_all()
-            return
+            return False
         pipe.partial += data
         start = 0
         while True:
@@ -219,3 +229,4 @@ class IoLoop:
         if len(pipe.partial) > _LONGEST_LINE:
             pipe.on_line(bytes(pipe.partial))
             pipe.partial.clear()
+        return True
