@@ -174,19 +174,23 @@ int P2PWork::sourceRank() const {
   return source;
 }
 
+void MessageOp::Begin(bool is_send, int peer_rank, int message_tag, const at::Tensor& tensor, int rank) {
+  send = is_send;
+  peer = peer_rank;
+  tag = message_tag;
+  what = message_words::Name(send, peer, tag);
+  user = Unowned(tensor);
+  data = send ? user.contiguous() : tensor.is_contiguous() ? user : at::empty(tensor.sizes(), tensor.options());
+  const c10d::OpType type = send ? c10d::OpType::SEND
+                                 : peer == MessagePath::kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
+  work = c10::make_intrusive<P2PWork>(rank, type, what, user);
+}
+
 // ---- PointToPoint ---------------------------------------------------------------------------
 
-struct PointToPoint::Op {
-  bool send = false;
-  int peer = kAnySource;  // the destination of a send, the source asked for by a receive
-  int tag = 0;
-  std::string what;       // "send to rank 1 with tag 0"
-  at::Tensor user;        // the caller's tensor
-  at::Tensor data;        // contiguous: the bytes sent, or where a receive lands
+struct PointToPoint::Op : MessageOp {
   at::Tensor words;       // a send's header, a receive's header as read
   at::Tensor verdict;     // what the receiver answered, or answers
-  c10::intrusive_ptr<P2PWork> work;
-  Clock::time_point started = Clock::now();
   // Under PointToPoint::mu_:
   std::vector<c10::intrusive_ptr<c10d::Work>> gloo;  // what Abort() interrupts
   std::string step = "queued";
@@ -215,16 +219,10 @@ PointToPoint::~PointToPoint() {
 c10::intrusive_ptr<c10d::Work> PointToPoint::Send(const at::Tensor& tensor, int dst, int tag) {
   message_words::CheckArguments("send", tensor, dst, tag, rank_, size_, false);
   auto op = std::make_shared<Op>();
-  op->send = true;
-  op->peer = dst;
-  op->tag = tag;
-  op->what = message_words::Name(true, dst, tag);
-  op->user = Unowned(tensor);  // Note [Tensors handed to c10d]: the threads hold no Python tensor
-  op->data = op->user.contiguous();
+  op->Begin(true, dst, tag, tensor, rank_);
   op->words = Words();
   Describe(op->words, op->data, tag);
   op->verdict = Words();
-  op->work = c10::make_intrusive<P2PWork>(rank_, c10d::OpType::SEND, op->what, op->user);
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(aborted_.empty(), "hvdlite backend: ", op->what, ": ", aborted_);
@@ -243,15 +241,9 @@ c10::intrusive_ptr<c10d::Work> PointToPoint::Send(const at::Tensor& tensor, int 
 c10::intrusive_ptr<c10d::Work> PointToPoint::Recv(const at::Tensor& tensor, int src, int tag) {
   message_words::CheckArguments("recv", tensor, src, tag, rank_, size_, false);
   auto op = std::make_shared<Op>();
-  op->peer = src;
-  op->tag = tag;
-  op->what = message_words::Name(false, src, tag);
-  op->user = Unowned(tensor);  // Note [Tensors handed to c10d]: the threads hold no Python tensor
-  op->data = tensor.is_contiguous() ? op->user : at::empty(tensor.sizes(), tensor.options());
+  op->Begin(false, src, tag, tensor, rank_);
   op->words = Words();
   op->verdict = Words();
-  op->work = c10::make_intrusive<P2PWork>(rank_, src == kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
-                                          op->what, op->user);
   {
     // Posted under mu_, so the posting order (seq) is the order Gloo matches headers in.
     std::lock_guard<std::mutex> lock(mu_);

@@ -127,6 +127,22 @@ class P2PWork : public c10d::Work {
   std::atomic<int> source_{-1};
 };
 
+// What both paths hold of one send or receive, and its set-up, which is the same on both.
+struct MessageOp {
+  bool send = false;
+  int peer = MessagePath::kAnySource;  // the destination of a send, the source asked for by a receive
+  int tag = 0;
+  std::string what;  // "send to rank 1 with tag 0"
+  at::Tensor user;   // the caller's tensor
+  at::Tensor data;   // contiguous: the bytes sent, or where a receive lands
+  c10::intrusive_ptr<P2PWork> work;
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+  // Fills the fields above for rank `rank`'s send of `tensor` to `peer_rank` (`is_send`) or
+  // receive into it from `peer_rank` (a rank, or kAnySource). The path's threads then hold no
+  // Python tensor (Note [Tensors handed to c10d] in backend_c10d.cc).
+  void Begin(bool is_send, int peer_rank, int message_tag, const at::Tensor& tensor, int rank);
+};
+
 class PointToPoint : public MessagePath {
  public:
 

@@ -1,6 +1,5 @@
 #include "shm_point_to_point.h"
 
-#include "backend_c10d.h"
 #include "shm_channel.h"
 #include "shm_segment.h"
 #include "futex.h"
@@ -88,15 +87,9 @@ ShmPointToPoint::~ShmPointToPoint() {
 c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Send(const at::Tensor& tensor, int dst, int tag) {
   message_words::CheckArguments("send", tensor, dst, tag, rank_, size_, true);
   auto op = std::make_shared<Op>();
-  op->send = true;
-  op->peer = dst;
-  op->tag = tag;
-  op->what = message_words::Name(true, dst, tag);
-  op->user = Unowned(tensor);  // Note [Tensors handed to c10d]
-  op->data = op->user.contiguous();
+  op->Begin(true, dst, tag, tensor, rank_);
   message_words::Describe(op->words, op->data, tag);
   op->step = "waiting for a free slot to rank " + std::to_string(dst);
-  op->work = c10::make_intrusive<P2PWork>(rank_, c10d::OpType::SEND, op->what, op->user);
   op->work->path_ = weak_from_this();
   Start(op);
   return op->work;
@@ -105,15 +98,9 @@ c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Send(const at::Tensor& tensor, i
 c10::intrusive_ptr<c10d::Work> ShmPointToPoint::Recv(const at::Tensor& tensor, int src, int tag) {
   message_words::CheckArguments("recv", tensor, src, tag, rank_, size_, true);
   auto op = std::make_shared<Op>();
-  op->peer = src;
-  op->tag = tag;
-  op->what = message_words::Name(false, src, tag);
-  op->user = Unowned(tensor);
-  op->data = tensor.is_contiguous() ? op->user : at::empty(tensor.sizes(), tensor.options());
+  op->Begin(false, src, tag, tensor, rank_);
   message_words::Describe(op->words, op->data, tag);
   op->step = src == kAnySource ? "waiting for a send from any rank" : "waiting for rank " + std::to_string(src) + " to send";
-  op->work = c10::make_intrusive<P2PWork>(rank_, src == kAnySource ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
-                                          op->what, op->user);
   op->work->path_ = weak_from_this();
   Start(op);
   return op->work;

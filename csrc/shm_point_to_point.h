@@ -159,16 +159,8 @@ class ShmPointToPoint : public MessagePath, public std::enable_shared_from_this<
 
 // The private parts both of its files use (shm_point_to_point.cc: messages moving;
 // shm_point_to_point_failures.cc: failures, abort and what outlives them).
-struct ShmPointToPoint::Op {
-  bool send = false;
-  int peer = kAnySource;  // the destination of a send, the source asked for by a receive
-  int tag = 0;
-  std::string what;       // "send to rank 1 with tag 0"
-  at::Tensor user;        // the caller's tensor
-  at::Tensor data;        // contiguous: the bytes sent, or where a receive lands
+struct ShmPointToPoint::Op : MessageOp {
   int64_t words[message_words::kWords];  // this side's tensor
-  c10::intrusive_ptr<P2PWork> work;
-  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   std::string step;
   uint64_t seq = 0;  // sends: the number among this rank's sends to `peer`
   int slot = -1;     // sends: the slot while posted (and while a receiver still holds it)
