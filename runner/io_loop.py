@@ -34,6 +34,7 @@ class _Child:
     def __init__(self, process: subprocess.Popen, on_exit: Callable[[int], None]) -> None:
         self.process, self.on_exit = process, on_exit
         self.open_pipes = 0   # its watched pipes that have not ended
+        self.pipes: List["_Pipe"] = []  # its watched pipes
         self.armed = False    # waited for through a pidfd or fast polling
         self.done = False
 
@@ -171,6 +172,7 @@ class IoLoop:
                 pipe = self._pipes_by_fd.get(owner.fileno()) if owner is not None and not owner.closed else None
                 if pipe is not None and pipe.owner is owner:
                     pipe.child = watch
+                    watch.pipes.append(pipe)
                     watch.open_pipes += 1
             if watch.open_pipes == 0:
                 self._arm(watch)
@@ -179,8 +181,8 @@ class IoLoop:
         """Hands on what an exited child's pipes hold before its exit is (the sweep can see the
         exit before the loop has read the last lines): every line it wrote comes first. Lines a
         process it started writes later still follow."""
-        for pipe in [p for p in self._pipes_by_fd.values() if p.child is child]:
-            while self._read(pipe):
+        for pipe in child.pipes:
+            while self._pipes_by_fd.get(pipe.fd) is pipe and self._read(pipe):
                 pass
 
     def _read(self, pipe: _Pipe) -> bool:
