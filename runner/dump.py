@@ -54,7 +54,7 @@ class DumpReporter:
     """Prints one merged report per dump the ranks send to the store (Note [Job directory])."""
 
     def __init__(self, server, job_dir: str, write) -> None:
-        self._server, self._job_dir, self._write = server, job_dir, write
+        self._server, self.job_dir, self._write = server, job_dir, write
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hvdliterun-dumps", daemon=True)
 
@@ -88,7 +88,7 @@ class DumpReporter:
             time.sleep(0.1)
             records = self._records(ident)
         text = dumps.report(records)
-        directory = os.path.join(self._job_dir, "dumps", ident)
+        directory = os.path.join(self.job_dir, "dumps", ident)
         try:
             os.makedirs(directory, exist_ok=True)
             with open(os.path.join(directory, "report.txt"), "w") as f:

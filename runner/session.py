@@ -54,9 +54,11 @@ class LaunchSession:
         """What every rank's environment starts from: the launcher's, the network plan's
         variables, then --env and the config file's (which win)."""
         env = dict(environ)
-        env.setdefault("HVDLITE_JOB_DIR", self.job_dir)
         env.update(network_env)
         env.update(self.config.extra_env)
+        # a directory the user names is the job's for the merged reports too, or `--dump` there
+        # would wait for a report written elsewhere
+        self.job_dir = self.reporter.job_dir = env.setdefault("HVDLITE_JOB_DIR", self.job_dir)
         return env
 
     def start(self, slot: SlotInfo, env: Mapping[str, str], local: bool) -> None:

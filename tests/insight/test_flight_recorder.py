@@ -127,7 +127,7 @@ def test_a_stall_failure_writes_the_dump_files_without_a_launcher(tmp_path):
 
 
 HEALTHY = '''
-import os, torch
+import os, time, torch
 import hvdlite as hvd
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -139,6 +139,7 @@ while True:  # until the test has dumped the job; every rank stops at the same s
     want = torch.arange(64, dtype=torch.float64) * (n * (n + 1) / 2) + n * step
     assert torch.equal(got, want), (step, got, want)
     step += 1
+    time.sleep(0.002)  # a job at work, not a spin: the two ranks would take both cores from the dumps
     if step % 100 == 0 and hvd.allreduce(torch.tensor(float(os.path.exists(done))), name="done", op=hvd.Max).item():
         break
 print(f"rank {r} exact", flush=True)
@@ -170,6 +171,8 @@ def test_dumping_a_healthy_job_does_not_disturb_it(tmp_path):
             launcher.communicate()
     assert launcher.returncode == 0, err[-3000:]
     assert "rank 0 exact" in out and "rank 1 exact" in out, out
+    # the launcher merged both reports into the job directory the test named (HVDLITE_JOB_DIR)
+    assert len(list((tmp_path / "job" / "dumps").glob("*/report.txt"))) == 2
 
 
 def test_dump_without_a_running_job_says_so(tmp_path):
