@@ -3,18 +3,20 @@
 
 Note [Running the suite in parallel]
 Most of the suite's time is spent waiting: for ranks to start, for a stall or a timeout to be
-seen, for an elastic job to re-form (a serial run used about 0.65 of this machine's two cores).
-`-n 3` runs it on three workers. Each module runs whole on one worker, in order, so its
-module-scoped fixtures (one job that many tests read) are made once; the tests that build
-network-namespace hosts or a SLURM cluster (tests/multihost, tests/slurm) share names on this
-machine (the hvt-* namespaces, the bridge, slurmctld's port) and so run on one worker, one after
-another. Everything else a test starts takes ports and folders of its own, chosen at run time.
-On two cores that took the suite from 17.9 to 12.8 minutes, but the load of three workers
-stretches every test about twice, and a test that waits on the clock rather than on an event
-can then miss (two did in one run and are fixed: a rank killed right after init(), a dump of a
-job that could end first). Until a run of the whole suite under `-n 3` has passed often enough,
-the README's command and CI run it one test at a time; the edit-test loop (`-n 3 -m "not
-slow"`) uses the workers.
+seen, for an elastic job to re-form (a serial run used about 0.55 of this machine's two cores).
+The README's command, `-n 3`, runs it on three workers. Each module runs whole on one worker, in
+order, so its module-scoped fixtures (one job that many tests read) are made once; the tests
+that build network-namespace hosts or a SLURM cluster (tests/multihost, tests/slurm) share names
+on this machine (the hvt-* namespaces, the bridge, slurmctld's port) and so run on one worker,
+one after another. Everything else a test starts takes ports and folders of its own, chosen at
+run time. Three workers keep both cores busy (the suite's CPU, summed over every process, was
+1,220 s in a serial run of 18 minutes), so its time is its CPU: what took it from 18 minutes to
+under 10 was CPU taken out of tests (references computed in place, no spinning job under a
+dump, Note [Test processes skip the last collection] in tests/_site/sitecustomize.py). The load
+stretches every test about twice, so a test must wait on an event, never on a fixed time that
+happened to suffice when it ran alone (the ones that did were fixed: a rank killed right after
+init(), a dump of a job that could end first, a launcher that reported a rank's exit before its
+last lines). `-n 0` runs it one test at a time.
 
 `-m "not slow"` leaves out the end-to-end scenarios (elastic re-forming, hosts, clusters,
 frameworks, examples, floods) and the multi-rank tests that take seconds: the edit-test loop.
