@@ -21,6 +21,7 @@ last lines). `-n 0` runs it one test at a time.
 `-m "not slow"` leaves out the end-to-end scenarios (elastic re-forming, hosts, clusters,
 frameworks, examples, floods) and the multi-rank tests that take seconds: the edit-test loop.
 """
+import gc
 import os
 import sys
 
@@ -58,6 +59,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _folder(item.path) in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, hvdlite, every test module) lives as long as the run: its
+    collections need not walk it, nor those of the ranks forked from this process
+    (tests/multihost/forked.py). The rank zygotes freeze theirs too (tests/zygote.py)."""
+    gc.freeze()
 
 
 def _group(nodeid):

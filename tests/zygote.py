@@ -28,6 +28,8 @@ import threading
 _SERVE = r"""
 import os, pickle, select, struct, sys
 import torch, torch.distributed, hvdlite._core  # noqa: F401  (what every rank imports first)
+import gc
+gc.freeze()  # what the imports made is never garbage: no child's collection walks it (or copies its pages)
 
 def frame(fd):
     head = os.read(fd, 4)
