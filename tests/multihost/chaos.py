@@ -210,7 +210,7 @@ class Chaos:
 
     def leftovers(self, within=0.0):
         """What is left anywhere: processes on the hosts (waiting up to `within` s for them to
-        go), hvdlite's /dev/shm segments, TCP ports listened on in the hosts' namespaces other
+        go), the job's /dev/shm segments, TCP ports listened on in the hosts' namespaces other
         than sshd's."""
         deadline = time.monotonic() + within
         while True:
@@ -219,7 +219,10 @@ class Chaos:
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        segments = [n for n in os.listdir("/dev/shm") if n.startswith("hvdlite")]
+        # the job's workers' segments (a name carries its maker's pid): other workers of a
+        # parallel run of the suite hold their own meanwhile
+        pids = {str(e["pid"]) for e in self.run.events() if "pid" in e}
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith("hvdlite.") and n.split(".")[1] in pids]
         ports = {}
         for name in HOSTS:
             out = subprocess.run(["ip", "netns", "exec", self.hosts.ns[name], "ss", "-Hltnp"],

@@ -19,8 +19,15 @@ from tests.multirank._reference import assert_close, assert_members_close, rank_
 CHUNK = 4 << 20  # ShmChannel::ChunkBytes for 2 and 3 ranks
 
 
-def _leftover_segments():
-    return glob.glob("/dev/shm/hvdlite.*")
+def _leftover_segments(pids):
+    """The segments of the ranks `pids` still named in /dev/shm (a segment's name carries the pid
+    of the rank that made it: hvdlite/_runtime/groups.py). Only theirs: other workers' jobs of a
+    parallel run hold segments of their own meanwhile."""
+    return [path for pid in pids for path in glob.glob(f"/dev/shm/hvdlite.{pid}.*")]
+
+
+def _job_segments(job):
+    return _leftover_segments(proc.pid for proc in job.procs)
 
 
 def _allreduces(expect_shared, single_copy_min=None):
@@ -45,7 +52,8 @@ def _allreduces(expect_shared, single_copy_min=None):
             got = hvd.allreduce(inputs[rank], op=op, name=f"t.{seed}")
             assert_close(got, reduce_reference(inputs, op), dtype, f"{dtype} op {op} on rank {rank}")
     # rank 0 unlinked the name once every rank had mapped the segment, before its first round
-    assert not _leftover_segments(), "the segment's name must be unlinked once every rank mapped it"
+    assert not _leftover_segments(peer["pid"] for peer in _state.current().peers), \
+        "the segment's name must be unlinked once every rank mapped it"
     # several chunks (alternating banks), an element count no share divides, pre- and postscale
     for i, (n, dtype) in enumerate([(5 * CHUNK // 4 + 3, torch.float32), (2 * CHUNK // 8 + 5, torch.float64),
                                     (CHUNK // 4 * 3 + 1, torch.int32)]):
@@ -136,8 +144,9 @@ def _allreduces(expect_shared, single_copy_min=None):
 @pytest.mark.parametrize("size,path", [(2, "staged"), (3, "staged"), (3, "single copy")])
 def test_shared_memory_allreduce_matches_reference(size, path):
     threshold = 0 if path == "staged" else 1
-    assert all(run_ranks(size, __name__, "_allreduces", True, threshold, timeout=180))
-    assert not _leftover_segments()
+    job = Job(size, __name__, "_allreduces", True, threshold)
+    assert all(job.wait(timeout=180))
+    assert not _job_segments(job)
 
 
 def test_switched_off_with_hvdlite_shared_memory_0():
@@ -203,8 +212,9 @@ def _own_share_layouts():
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_own_share_straight_from_the_input_or_through_the_slot(size):
-    assert all(run_ranks(size, __name__, "_own_share_layouts", timeout=120))
-    assert not _leftover_segments()
+    job = Job(size, __name__, "_own_share_layouts")
+    assert all(job.wait(timeout=120))
+    assert not _job_segments(job)
 
 
 def _rounds_nobody_waits_for():
@@ -247,8 +257,9 @@ def _rounds_nobody_waits_for():
 
 
 def test_rounds_that_nobody_waits_for_sleep_in_the_channel_and_stay_exact():
-    assert all(run_ranks(3, __name__, "_rounds_nobody_waits_for", timeout=120))
-    assert not _leftover_segments()
+    job = Job(3, __name__, "_rounds_nobody_waits_for")
+    assert all(job.wait(timeout=120))
+    assert not _job_segments(job)
 
 
 def _moves():
@@ -318,7 +329,7 @@ def test_rank_killed_inside_the_channel_fails_the_others_naming_it(kind):
         assert failed_at - killed_at < 5, f"rank {rank} took {failed_at - killed_at:.1f} s to notice"
         assert f"rank {victim}" in message and "shared memory" in message, message
         assert victim in (ranks or []), (ranks, message)
-    assert not _leftover_segments()
+    assert not _job_segments(job)
 
 
 def _stopped_peer(victim):
@@ -355,4 +366,4 @@ def test_a_stopped_rank_is_named_within_the_stall_time():
         message, seconds, ranks = outcome
         assert f"rank {victim}" in message, (rank, message)
         assert seconds < 12, (rank, seconds)  # 4 s, a check interval and the census
-    assert not _leftover_segments()
+    assert not _job_segments(job)
