@@ -76,7 +76,7 @@ std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
                                   std::move(cross_backend), kind);
 }
 
-// One tensor's arguments, as both enqueue bindings receive them.
+// One tensor's arguments, as every enqueueing binding receives them.
 EnqueueArgs Args(int kind, const at::Tensor& input, const std::optional<at::Tensor>& output,
                  const std::string& name, int op, int root, double prescale, double postscale) {
   if (kind < 0 || kind >= kNumCollectiveKinds || op < 0 || op > kMaxReduceOp) {
@@ -115,18 +115,6 @@ std::vector<int64_t> Enqueue(Engine& engine, int kind, const std::vector<at::Ten
   std::vector<int64_t> handles;
   Check(engine.Enqueue(std::move(args), &handles));
   return handles;
-}
-
-// The common case, one tensor with no group and no splits, without building lists on either
-// side of the binding: every async allreduce of a training step comes through here.
-int64_t EnqueueOne(Engine& engine, int kind, const at::Tensor& input,
-                   const std::optional<at::Tensor>& output, const std::string& name, int op,
-                   int root, double prescale, double postscale) {
-  std::vector<EnqueueArgs> args;
-  args.push_back(Args(kind, input, output, name, op, root, prescale, postscale));
-  std::vector<int64_t> handles;
-  Check(engine.Enqueue(std::move(args), &handles));
-  return handles.front();
 }
 
 // The dtypes the transports carry and reduce (Gloo for CPU tensors, NCCL for CUDA ones): the
@@ -319,13 +307,13 @@ PYBIND11_MODULE(_core, m) {
            py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
            py::arg("shm").none(true) = nullptr, py::arg("cross").none(true) = py::none(),
            py::arg("route") = "gloo_channels", py::arg("control_timeout") = 0.0, py::arg("data_timeout") = 0.0)
-      // One request per tensor, every option named (a grouped call, alltoall's splits, a wire
-      // dtype); enqueue_one is the same for one tensor without them, the per-tensor hot path.
+      // The door of every collective: one request per tensor, every option named (a grouped
+      // call, alltoall's splits, a wire dtype). The lean allreduces below are its common case
+      // taken without Python's checks (they say which tensors they take).
       .def("enqueue", &Enqueue, py::arg("kind"), py::arg("inputs"), py::arg("outputs"), py::arg("names"),
            py::arg("op") = static_cast<int>(ReduceOp::kSum), py::arg("root") = 0, py::arg("prescale") = 1.0,
            py::arg("postscale") = 1.0, py::arg("group") = "", py::arg("splits") = std::vector<std::vector<int64_t>>(),
            py::arg("wire") = py::none(), py::call_guard<py::gil_scoped_release>())
-      .def("enqueue_one", &EnqueueOne, py::call_guard<py::gil_scoped_release>())
       .def("new_name", &Engine::NewName, py::arg("prefix"))
       .def("poll",
            [](Engine& engine, int64_t handle) {

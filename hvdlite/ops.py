@@ -150,13 +150,9 @@ def _submit(fn, process_set, kind, inputs, outputs, names, finish, op=Sum, root=
         if len(devices) > 1:
             raise HvdliteValueError(f"{fn}: a grouped call mixes devices {sorted(devices)}; group tensors per device")
     try:
-        if single and not group and not splits and wire is None:  # the lean path of every per-tensor call
-            core_handles = (runtime.engine.enqueue_one(kind, inputs[0], outputs[0], names[0], op,
-                                                       root, prescale, postscale),)
-        else:
-            core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op=op, root=root,
-                                                  prescale=prescale, postscale=postscale, group=group,
-                                                  splits=list(splits), wire=wire)
+        # (by position: pybind matches keywords by name on every call, 2 us of a 13 us call here)
+        core_handles = runtime.engine.enqueue(kind, inputs, outputs, names, op, root, prescale, postscale, group,
+                                              list(splits), wire)
     except Exception as exc:
         raise _state.explain(exc, state, runtime.engine)
     handle = next(state.handle_ids)
