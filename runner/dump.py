@@ -2,7 +2,8 @@
 
 Note [Job directory]
 Every hvdliterun job has a directory, ``<tmp>/hvdlite-jobs/<host>-<launcher pid>``, handed to
-the ranks as HVDLITE_JOB_DIR (on other hosts the same path, created there when needed). Each
+the ranks as HVDLITE_JOB_DIR (on other hosts the same path, created there when needed), or the
+one the user names in HVDLITE_JOB_DIR, which the launcher's reports then follow too. Each
 rank that runs hvdlite's recorder registers its pid under ``ranks/`` (so only processes that
 handle SIGUSR1 are ever sent it: its default action ends a process), and dumps land under
 ``dumps/<id>/``. The launcher's DumpReporter watches the store for new dumps
