@@ -32,7 +32,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TESTS))
 # Every process a test starts imports tests/_site/sitecustomize.py: Note [Test processes skip
 # the last collection] there.
-os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(TESTS, "_site")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [os.path.join(TESTS, "_site")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 # Folders whose every test is an end-to-end scenario of several seconds.
 SLOW_FOLDERS = {"conformance", "elastic", "examples", "lightning", "multihost", "ray", "reliability", "slurm"}

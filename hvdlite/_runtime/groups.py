@@ -163,6 +163,12 @@ def _channel_timeout(options):
     return min(seconds, stall) if stall > 0 else seconds
 
 
+def segment_name_prefix(pid):
+    """How every shared-memory segment process `pid` makes is named (in /dev/shm): a check for
+    segments left behind looks for a job's own by its ranks' pids."""
+    return f"hvdlite.{pid}."
+
+
 def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0, probe=False):
     """One shared-memory segment among `count` processes on this host (this one is `index`;
     `ranks` name them in messages): index 0 creates it and publishes its name under `key`,
@@ -172,7 +178,7 @@ def _segment(store, key, index, count, ranks, pids, options=None, chunk_bytes=0,
     on each), and with `probe` every member's single-copy probe word ("address:value", Note
     [Single-copy allreduce]), read in the same request as the answers."""
     if index == 0:
-        name = f"/hvdlite.{os.getpid()}.{secrets.token_hex(6)}"
+        name = f"/{segment_name_prefix(os.getpid())}{secrets.token_hex(6)}"
         name = "" if _core.ShmChannel.create(name, count, chunk_bytes) else name
         store.set(key, name)
     else:

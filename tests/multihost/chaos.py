@@ -27,6 +27,7 @@ import signal
 import subprocess
 import time
 
+from hvdlite._runtime.groups import segment_name_prefix
 from hvdlite._runtime.liveness import running as _alive
 from tests.elastic.harness import ElasticRun
 
@@ -219,10 +220,10 @@ class Chaos:
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        # the job's workers' segments (a name carries its maker's pid): other workers of a
-        # parallel run of the suite hold their own meanwhile
-        pids = {str(e["pid"]) for e in self.run.events() if "pid" in e}
-        segments = [n for n in os.listdir("/dev/shm") if n.startswith("hvdlite.") and n.split(".")[1] in pids]
+        # the job's workers' segments (groups.segment_name_prefix): other workers of a parallel
+        # run of the suite hold their own meanwhile
+        prefixes = tuple({segment_name_prefix(e["pid"]) for e in self.run.events() if "pid" in e})
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith(prefixes)]
         ports = {}
         for name in HOSTS:
             out = subprocess.run(["ip", "netns", "exec", self.hosts.ns[name], "ss", "-Hltnp"],

@@ -341,15 +341,16 @@ def test_hierarchical_allreduce_across_hosts_with_uneven_ranks_per_host(hosts):
     # Note [Hierarchical allreduce]: two ranks on hvta and hvtc share a segment each, hvtb's one
     # rank is alone on its host; the first rank of each host allreduces across hosts.
     job = [sys.executable, "tests/multihost/hierarchical_job.py"]
+    path = {"PYTHONPATH": REPO + os.pathsep + os.environ["PYTHONPATH"]}
     result = run_on(hosts, "hvta", launcher(hosts, "--hierarchical-allreduce", "-H", "hvta:2,hvtb:1,hvtc:2") + job,
-                    env={"PYTHONPATH": REPO + os.pathsep + os.environ["PYTHONPATH"]})
+                    env=path)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert sorted(lines(out, "HIERARCHICAL")) == [
         f"[{r}]<stdout>: HIERARCHICAL rank {r} of 5 on {n} hierarchical=True shared_memory=False cpu_groups=1"
         for r, n in enumerate(("hvta", "hvta", "hvtb", "hvtc", "hvtc"))]
     # without the flag the same job runs flat (no segment: the ranks span hosts)
-    result = run_on(hosts, "hvta", launcher(hosts, "-H", "hvta:2,hvtb:1,hvtc:2") + job, env={"PYTHONPATH": REPO + os.pathsep + os.environ["PYTHONPATH"]})
+    result = run_on(hosts, "hvta", launcher(hosts, "-H", "hvta:2,hvtb:1,hvtc:2") + job, env=path)
     out = result.stdout + result.stderr
     assert result.returncode == 0 and len(lines(out, "hierarchical=False shared_memory=False cpu_groups=4")) == 5, out[-4000:]
     assert_nothing_left(hosts)

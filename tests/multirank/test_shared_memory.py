@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hvdlite as hvd
+from hvdlite._runtime import groups as _groups
 from hvdlite._runtime import state as _state
 from tests.harness import Job, run_ranks
 from tests.multirank._reference import assert_close, assert_members_close, rank_input, reduce_reference
@@ -20,10 +21,9 @@ CHUNK = 4 << 20  # ShmChannel::ChunkBytes for 2 and 3 ranks
 
 
 def _leftover_segments(pids):
-    """The segments of the ranks `pids` still named in /dev/shm (a segment's name carries the pid
-    of the rank that made it: hvdlite/_runtime/groups.py). Only theirs: other workers' jobs of a
-    parallel run hold segments of their own meanwhile."""
-    return [path for pid in pids for path in glob.glob(f"/dev/shm/hvdlite.{pid}.*")]
+    """The segments of the ranks `pids` still named in /dev/shm (groups.segment_name_prefix).
+    Only theirs: other workers' jobs of a parallel run hold segments of their own meanwhile."""
+    return [path for pid in pids for path in glob.glob(f"/dev/shm/{_groups.segment_name_prefix(pid)}*")]
 
 
 def _job_segments(job):

@@ -10,9 +10,9 @@ from hvdlite._runtime import groups as _groups
 
 
 def _segments():
-    """This process's segments (their names carry the pid of the process that made them): other
-    workers of a parallel run make and unlink their own meanwhile."""
-    return glob.glob(f"/dev/shm/hvdlite.{os.getpid()}.*")
+    """This process's segments (groups.segment_name_prefix): other workers of a parallel run
+    make and unlink their own meanwhile."""
+    return glob.glob(f"/dev/shm/{_groups.segment_name_prefix(os.getpid())}*")
 
 
 def test_a_segment_is_mapped_and_its_name_unlinked():
