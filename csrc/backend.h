@@ -48,6 +48,9 @@ class CollectiveBackend {
   // hypercube (hypercube.h); a backend without them throws.
   virtual PendingWork StartSend(at::Tensor& bytes, int peer, int tag) { return NoPointToPoint(); }
   virtual PendingWork StartRecv(at::Tensor& bytes, int peer, int tag) { return NoPointToPoint(); }
+  // Whether only StartSend and StartRecv work (the control link: Note [Control link] in
+  // control_link.h): the control channel then sends every round by its hypercube.
+  virtual bool point_to_point_only() const { return false; }
   virtual std::string name() const = 0;
 
  private:

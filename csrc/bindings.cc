@@ -14,6 +14,7 @@
 #include "backend_c10d.h"
 #include "build_id.h"
 #include "config.h"
+#include "control_link.h"
 #include "engine.h"
 #include "message.h"
 #include "recorder.h"
@@ -41,13 +42,14 @@ Config ConfigFromMap(const std::map<std::string, std::string>& env) {
 
 // `settings`: the HVDLITE_* variables in force for this engine, job-wide ones from rank 0
 // (Note [Job-wide settings] in config.h); hvd.init() builds it.
-std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
+std::shared_ptr<Engine> MakeEngine(std::optional<c10::intrusive_ptr<c10d::Backend>> control,
                                    std::vector<c10::intrusive_ptr<c10d::Backend>> cpu,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int rank,
                                    int size, const std::map<std::string, std::string>& settings,
                                    std::shared_ptr<ShmChannel> shm,
                                    std::optional<c10::intrusive_ptr<c10d::Backend>> cross, const std::string& route,
-                                   double control_timeout_s, double data_timeout_s) {
+                                   double control_timeout_s, double data_timeout_s,
+                                   std::shared_ptr<ControlLink> link) {
   Config config = ConfigFromMap(settings);
   // Note [Frozen peers] (hvdlite/_runtime/groups.py): the collectives' own timeouts (0: the group's).
   auto millis = [](double seconds) {
@@ -63,8 +65,13 @@ std::shared_ptr<Engine> MakeEngine(c10::intrusive_ptr<c10d::Backend> control,
   // Note [Transport plan] (hvdlite/_runtime/groups.py): the route was chosen there.
   CpuRouteKind kind;
   if (!ParseCpuRouteKind(route, &kind)) Check(Status(StatusCode::kInternal, "unknown CPU route '" + route + "'"));
-  std::unique_ptr<CollectiveBackend> control_backend = MakeC10dBackend(std::move(control), millis(control_timeout_s));
-  if (shm == nullptr || kind == CpuRouteKind::kHierarchical) {
+  std::shared_ptr<CollectiveBackend> control_backend;
+  if (link) {
+    control_backend = link;  // Note [Control link]: its partners are connected already
+  } else if (!control || !*control) {
+    Check(Status(StatusCode::kInternal, "an engine needs a control process group or a control link"));
+  } else if (control_backend = MakeC10dBackend(std::move(*control), millis(control_timeout_s));
+             shm == nullptr || kind == CpuRouteKind::kHierarchical) {
     // Note [Connections on first use] (hvdlite/_runtime/groups.py): the control plane's
     // partners are connected before the engine starts. The GIL is released: a lazy connection
     // may read the store, which can be a Python object.
@@ -303,10 +310,11 @@ PYBIND11_MODULE(_core, m) {
   m.attr("JOB_WIDE_SETTINGS") = JobWideVariables();
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init(&MakeEngine), py::arg("control").none(false), py::arg("cpu"),
+      .def(py::init(&MakeEngine), py::arg("control").none(true), py::arg("cpu"),
            py::arg("cuda"), py::arg("rank"), py::arg("size"), py::arg("settings"),
            py::arg("shm").none(true) = nullptr, py::arg("cross").none(true) = py::none(),
-           py::arg("route") = "gloo_channels", py::arg("control_timeout") = 0.0, py::arg("data_timeout") = 0.0)
+           py::arg("route") = "gloo_channels", py::arg("control_timeout") = 0.0, py::arg("data_timeout") = 0.0,
+           py::arg("link").none(true) = nullptr)
       // The door of every collective: one request per tensor, every option named (a grouped
       // call, alltoall's splits, a wire dtype). The lean allreduces below are its common case
       // taken without Python's checks (they say which tensors they take).
@@ -408,6 +416,16 @@ PYBIND11_MODULE(_core, m) {
   m.def("install_dump_signal", &InstallDumpSignal, py::arg("signum"));
   m.def("ring_dump", &RingDump, py::arg("id"), py::arg("reason"));
   m.def("wait_dump", &WaitDump, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+
+  // Note [Control link] (control_link.h): made and connected by init() (hvdlite/_runtime/groups.py).
+  py::class_<ControlLink, std::shared_ptr<ControlLink>>(m, "ControlLink")
+      .def(py::init<int, int, const std::string&, const std::vector<std::string>&, double>(), py::arg("rank"),
+           py::arg("size"), py::arg("listen_host"), py::arg("published"), py::arg("timeout_s"))
+      .def_property_readonly("address", &ControlLink::address)
+      .def_property_readonly("partners", &ControlLink::partners)
+      .def("connect", &ControlLink::Connect, py::arg("addresses"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("connections", &ControlLink::connections)
+      .def_property_readonly("frames", [](const ControlLink& l) { return std::make_pair(l.frames_sent(), l.frames_received()); });
 
   DefineTestHooks(m);
   m.def("_parse_config", &ParseConfig);

@@ -4,8 +4,9 @@
 // cached_round.cc) runs on the thread that holds the engine's round lock, like every round.
 //
 // Note [Cached rounds]
-// Past HVDLITE_CONTROL_ALLTOALL_MAX ranks every round travels by recursive doubling (Note
-// [Control exchange by hypercube] in hypercube.h), which bounds the messages per rank at
+// Across hosts every round travels by recursive doubling (Note [Control exchange by hypercube]
+// in hypercube.h: over the control link, or past HVDLITE_CONTROL_ALLTOALL_MAX ranks on a Gloo
+// group), which bounds the messages per rank at
 // log2(N) + 1 but not the bytes: every rank still receives and decodes every rank's message,
 // 1.5 KB for a cached ResNet-50 step, 24.5 MB a round at 16,384 ranks. Yet in a training loop's
 // steady state every request is a response-cache hit (Note [Response cache] in response_cache.h),

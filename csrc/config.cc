@@ -109,6 +109,7 @@ const std::vector<Setting>& Settings() {
       Int("HVDLITE_CONTROL_ALLTOALL_MAX", "control_alltoall_max", true, 0, kNoMax, "a number of ranks >= 0",
           &Config::control_alltoall_max),
       Flag("HVDLITE_CACHED_ROUNDS", "cached_rounds", true, &Config::cached_rounds),
+      Flag("HVDLITE_CONTROL_LINK", "control_link", true, &Config::control_link),
       Flag("HVDLITE_AUTOTUNE", "autotune", true, &Config::autotune),
       Double("HVDLITE_AUTOTUNE_SAMPLE_SECONDS", "autotune_sample_seconds", true, 0.001, "seconds >= 0.001",
              &Config::autotune_sample_seconds),

@@ -62,6 +62,10 @@ struct Config {
   // messages across hosts by one alltoall, larger ones by recursive doubling (Note [Control
   // exchange by alltoall] in control_channel.h). Rank 0's value applies to the job.
   int64_t control_alltoall_max = 16;
+  // HVDLITE_CONTROL_LINK: 1 (default) sends negotiation across hosts over the control link's
+  // own connections, by recursive doubling (Note [Control link] in control_link.h); 0 through
+  // a Gloo group, as HVDLITE_CONTROL_ALLTOALL_MAX says. Rank 0's value applies to the job.
+  bool control_link = true;
   // HVDLITE_CACHED_ROUNDS: 1 (default) lets those larger engines settle a steady round by a
   // reduction of a few words per rank (Note [Cached rounds] in cached_round.h); 0: every round
   // carries every rank's message. Rank 0's value applies to the job.

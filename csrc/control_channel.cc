@@ -29,7 +29,8 @@ int64_t SlotSizer::Next(const std::vector<int64_t>& lengths) {
 
 ControlChannel::ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int rank, int size,
                                int64_t alltoall_max)
-    : backend_(backend), shm_(shm), size_(size), by_alltoall_(size <= alltoall_max), sizer_(size),
+    : backend_(backend), shm_(shm), size_(size), by_alltoall_(size <= alltoall_max && !(backend != nullptr && backend->point_to_point_only())),
+      sizer_(size),
       cube_(backend, rank, size) {
   slot_now_ = sizer_.slot();
   if (shm_ == nullptr && by_alltoall_) Resize();

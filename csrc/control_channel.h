@@ -6,8 +6,12 @@
 // and reuses its tensors across rounds. Its counters for tests are atomics, read from any
 // thread.
 //
-// Up to HVDLITE_CONTROL_ALLTOALL_MAX ranks (16 by default), each rank sends a slot holding its length and, when it fits, its
-// bytes: one collective per round in the common case. When any message is larger than a slot,
+// Across hosts the backend is normally the control link (Note [Control link] in
+// control_link.h), which has point-to-point only: every round then travels by recursive
+// doubling over it (Note [Control exchange by hypercube] in hypercube.h). On a Gloo group
+// (HVDLITE_CONTROL_LINK=0), up to HVDLITE_CONTROL_ALLTOALL_MAX ranks (16 by default), each rank
+// sends a slot holding its length and, when it fits, its bytes: one collective per round in
+// the common case. When any message is larger than a slot,
 // a second exchange at the largest size carries everything. Past it the messages
 // travel by recursive doubling instead (Note [Control exchange by hypercube] in hypercube.h):
 // log2(N) steps and partners, where an alltoall costs every rank N - 1 messages and a
@@ -74,7 +78,8 @@ class SlotSizer {
 class ControlChannel {
  public:
   // Note [Control exchange through shared memory] (shm_channel.h): with `shm`, slots travel
-  // through it (an engine whose ranks all share one host), else through `backend`.
+  // through it (an engine whose ranks all share one host), else through `backend` (a Gloo
+  // group, or the control link: Note [Control link] in control_link.h).
   // `alltoall_max`: the largest size that exchanges by alltoall (HVDLITE_CONTROL_ALLTOALL_MAX).
   ControlChannel(CollectiveBackend* backend, ShmChannel* shm, int rank, int size, int64_t alltoall_max);
   // Every rank calls this once per round; returns every rank's bytes, indexed by rank.

@@ -27,7 +27,7 @@ std::vector<CollectiveBackend*> Pointers(const std::vector<std::unique_ptr<Colle
 
 }  // namespace
 
-Engine::Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
+Engine::Engine(const Config& config, int rank, int size, std::shared_ptr<CollectiveBackend> control,
                std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
                std::shared_ptr<ShmChannel> shm, std::unique_ptr<CollectiveBackend> cross, CpuRouteKind route)
     : config_(config),

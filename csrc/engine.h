@@ -111,7 +111,9 @@ class Engine {
  public:
   // `cuda` may be null. The engine starts its thread at once.
   // `cpu` holds one backend per CPU channel, at least one (Note [CPU channels] in cpu_route.h).
-  Engine(const Config& config, int rank, int size, std::unique_ptr<CollectiveBackend> control,
+  // `control` carries negotiation where shared memory does not: a Gloo group, or the control
+  // link (Note [Control link] in control_link.h), which Python made and also holds.
+  Engine(const Config& config, int rank, int size, std::shared_ptr<CollectiveBackend> control,
          std::vector<std::unique_ptr<CollectiveBackend>> cpu, std::unique_ptr<CollectiveBackend> cuda,
          std::shared_ptr<ShmChannel> shm = nullptr, std::unique_ptr<CollectiveBackend> cross = nullptr,
          CpuRouteKind route = CpuRouteKind::kGlooChannels);
@@ -222,7 +224,7 @@ class Engine {
   const int rank_;
   const int size_;
   Logger logger_;
-  std::unique_ptr<CollectiveBackend> control_backend_;
+  std::shared_ptr<CollectiveBackend> control_backend_;
   std::vector<std::unique_ptr<CollectiveBackend>> cpu_backends_;
   std::unique_ptr<CollectiveBackend> cuda_backend_;
   std::shared_ptr<ShmChannel> shm_;  // null unless every rank is on this host (Note [Shared-memory allreduce])

@@ -13,7 +13,8 @@
 // <= N) every rank holds every message. A rank r >= P first hands its message to r - P and gets
 // every other message back from it at the end (two more steps for those ranks only). Per rank and
 // round: at most log2(N) + 1 messages sent and received, connections to log2(N) + 1 peers only
-// (the Gloo groups connect lazily, hvdlite/_runtime/groups.py), and the bytes every rank must
+// (the control link connects only those: Note [Control link] in control_link.h; a Gloo group
+// connects lazily, hvdlite/_runtime/groups.py), and the bytes every rank must
 // receive anyway (each message once). The replicated controller keeps its input bit for bit:
 // only how the bytes travel changed.
 //

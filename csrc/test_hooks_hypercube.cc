@@ -1,13 +1,14 @@
 // Test hooks: the control plane's hypercube (hypercube.h) run by N virtual ranks in one
-// process, one thread each, over in-memory mailboxes. tests/unit checks its results, its
-// failure reports and its counts; bench/ uses the counts to model large jobs. Nothing here is
-// used by a running job.
+// process, one thread each, over in-memory mailboxes or over real control links on 127.0.0.1
+// (control_link.h). tests/unit checks its results, its failure reports and its counts; bench/
+// uses the counts to model large jobs. Nothing here is used by a running job.
 #include <pybind11/stl.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -16,6 +17,7 @@
 
 #include "backend.h"
 #include "cached_round.h"
+#include "control_link.h"
 #include "hypercube.h"
 #include "test_hooks.h"
 
@@ -140,6 +142,66 @@ py::list RunHypercube(const std::vector<std::string>& mine, int64_t slot, const 
   return out;
 }
 
+// Note [Control link]: `messages.size()` virtual ranks, each with a real ControlLink on
+// 127.0.0.1, connected all at once (one thread each, as init() connects in every process);
+// each link of `dead` is then closed (a rank that died after init), and every other rank runs
+// `rounds` rounds of Allgather, or of Reduce by CombineOffers. Returns, by rank, (messages of
+// the last round or None, the error or None, frames sent, frames received, connections).
+py::list RunLinkHypercube(const std::vector<std::string>& mine, int64_t slot, const std::vector<int>& dead,
+                          int rounds, double timeout_seconds, bool reduce) {
+  const int size = static_cast<int>(mine.size());
+  std::vector<std::unique_ptr<ControlLink>> links;
+  std::map<int, std::string> addresses;
+  for (int r = 0; r < size; ++r) {
+    links.push_back(std::make_unique<ControlLink>(r, size, "127.0.0.1", std::vector<std::string>{"127.0.0.1"},
+                                                  timeout_seconds));
+    addresses[r] = links.back()->address();
+  }
+  std::vector<std::vector<std::string>> results(size);
+  std::vector<std::string> errors(size);
+  std::vector<bool> failed(size, false);
+  const std::set<int> gone(dead.begin(), dead.end());
+  {
+    py::gil_scoped_release release;
+    auto each = [&](const std::function<void(int)>& body) {
+      std::vector<std::thread> threads;
+      for (int r = 0; r < size; ++r) {
+        threads.emplace_back([&, r] {
+          try {
+            body(r);
+          } catch (const std::exception& e) {
+            errors[r] = e.what();
+            failed[r] = true;
+          }
+        });
+      }
+      for (std::thread& t : threads) t.join();
+    };
+    each([&](int r) { links[r]->Connect(addresses); });
+    for (int r : gone) links[r].reset();
+    each([&](int r) {
+      if (gone.count(r) || failed[r]) return;
+      Hypercube cube(links[r].get(), r, size);
+      for (int k = 0; k < rounds; ++k) {
+        results[r] = reduce ? std::vector<std::string>{cube.Reduce(mine[r], CombineOffers)} : cube.Allgather(mine[r], slot);
+      }
+    });
+  }
+  py::list out;
+  for (int r = 0; r < size; ++r) {
+    py::object messages = py::none(), error = failed[r] ? py::object(py::str(errors[r])) : py::object(py::none());
+    if (!failed[r] && !gone.count(r)) {
+      py::list list;
+      for (const std::string& m : results[r]) list.append(py::bytes(m));
+      messages = list;
+    }
+    const bool here = links[r] != nullptr;
+    out.append(py::make_tuple(messages, error, here ? links[r]->frames_sent() : 0, here ? links[r]->frames_received() : 0,
+                              here ? links[r]->connections() : 0));
+  }
+  return out;
+}
+
 py::bytes CachedOfferBytes(int rank, bool clean, bool outstanding, uint64_t settings, uint64_t state, int64_t clock_ms,
                            int64_t base_us, uint32_t id_space, const std::vector<uint32_t>& ids,
                            const std::map<uint32_t, std::string>& payloads) {
@@ -184,6 +246,8 @@ py::dict CachedVerdictDict(const std::string& combined, int size) {
 
 void DefineHypercubeHooks(py::module_& m) {
   m.def("_hypercube", &RunHypercube, py::arg("messages"), py::arg("slot"), py::arg("dead") = std::vector<int>(),
+        py::arg("rounds") = 1, py::arg("timeout_seconds") = 10.0, py::arg("reduce") = false);
+  m.def("_link_hypercube", &RunLinkHypercube, py::arg("messages"), py::arg("slot"), py::arg("dead") = std::vector<int>(),
         py::arg("rounds") = 1, py::arg("timeout_seconds") = 10.0, py::arg("reduce") = false);
   // Note [Cached rounds]: one rank's offer, the combination of two, and what a combination says.
   m.def("_cached_offer", &CachedOfferBytes, py::arg("rank"), py::arg("clean"), py::arg("outstanding"),

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import liveness as _liveness
+from .._job import netif as _netif
 from . import recorder as _recorder
 from .group_store import GroupStore, broadcast_peers, ring_peers
 from .native import _core
@@ -41,18 +42,21 @@ def _gloo_devices(loopback):
     Every device is lazy: a Gloo group publishes one address at creation and connects a pair
     of ranks the first time they exchange, instead of a connection to every peer up front
     (the addresses travel in two store requests whatever N: Note [Group addresses in two
-    requests] in group_store.py). The paths training uses touch few peers: the control
-    plane every peer up to HVDLITE_CONTROL_ALLTOALL_MAX ranks (16) and log2(N) + 1 beyond (Note
-    [Control exchange by hypercube] in csrc/hypercube.h), Gloo's ring allreduce and allgather
-    two; an alltoall connects every pair it needs when a
-    user calls one. The cost: an address that does not reach a peer shows at the first
+    requests] in group_store.py). The paths training uses touch few peers: Gloo's ring
+    allreduce and allgather two, and the control plane's Gloo group, where the control link
+    does not carry negotiation (HVDLITE_CONTROL_LINK=0), every peer up to
+    HVDLITE_CONTROL_ALLTOALL_MAX ranks (16) and log2(N) + 1 beyond (Note [Control exchange by
+    hypercube] in csrc/hypercube.h); an alltoall connects every pair it needs when a user calls
+    one. (The control link connects its log2(N) + 1 partners itself: Note [Control link] in
+    csrc/control_link.h.) The cost: an address that does not reach a peer shows at the first
     exchange with it, not at init; the first round already exchanges with every hypercube
     partner, and hvdliterun's network discovery has checked the interface between every pair
     of hosts. Connecting lazily also loses what a full mesh gave for free: a peer that dies
     closes its connections, which fails at once whoever waits on it, but a rank still trying to
     reach a dead peer it never connected to waits for the process-group timeout. So each
     engine connects the pairs its regular paths use before init() returns: the control
-    plane's partners (one exchange, in MakeEngine), each CPU channel's ring neighbours (Gloo's
+    plane's partners (the control link's connect, or one exchange of the Gloo group in
+    MakeEngine), each CPU channel's ring neighbours (Gloo's
     ring allreduce and allgather) and the first channel's broadcast tree from rank 0, by a word
     each way with each of them at once (_data_peers and _connect_data below). What else a job calls (a broadcast from another root, an alltoall)
     connects its pairs on first use.
@@ -225,16 +229,47 @@ def _agree(store, key, rank, size, mine):
     return all(v == b"1" for v in store.multi_get([f"{key}/{r}" for r in range(size)]))
 
 
-def _first_addresses(base, rank, size, options, plan, members, loopback):
-    """Note [Group addresses in two requests]: the store keys of the Gloo addresses this rank
-    reads before init() returns (Note [Connections on first use]): the control plane's
-    partners, unless shared memory carries it; every CPU channel's ring neighbours and the
-    first channel's broadcast tree from rank 0; the group of first ranks' ring."""
+def _first_addresses(base, rank, size, options, plan, members, loopback, link):
+    """Note [Group addresses in two requests]: the store keys of the addresses this rank reads
+    before init() returns (Note [Connections on first use]): the control plane's partners,
+    unless shared memory carries it (the control link's, or the Gloo control group's); every
+    CPU channel's ring neighbours and the first channel's broadcast tree from rank 0; the group
+    of first ranks' ring."""
     devices = range(1 if loopback else max(1, len(_interfaces())))
     wanted = dict(_data_peers(rank, size, plan, members))
-    if plan.shm is None or plan.route == "hierarchical":
+    if link is None and _control_across_hosts(plan):
         wanted["control"] = _core.control_peers(rank, size, options["control_alltoall_max"])
-    return [f"{base}{name}/{d}/{peer}" for name, peers in wanted.items() for peer in peers for d in devices]
+    keys = [f"{base}{name}/{d}/{peer}" for name, peers in wanted.items() for peer in peers for d in devices]
+    return keys + [_link_key(base, peer) for peer in (link.partners if link is not None else ())]
+
+
+def _control_across_hosts(plan):
+    """Whether negotiation travels between hosts (no segment carries it for every rank)."""
+    return plan.shm is None or plan.route == "hierarchical"
+
+
+def _link_key(base, rank):
+    return f"{base}link/{rank}"
+
+
+def _control_link(rank, size, options, plan, loopback):
+    """Note [Control link] (csrc/control_link.h): the control plane's own connections, listening
+    now so that its address goes out with the Gloo groups'; None where shared memory carries
+    negotiation, on one rank, or with HVDLITE_CONTROL_LINK=0. It listens where the Gloo groups
+    do: on GLOO_SOCKET_IFNAME's interfaces (every address of this host's interfaces without
+    it; a connector tries them all and keeps the first that answers), or on 127.0.0.1."""
+    if size < 2 or not options["control_link"] or not _control_across_hosts(plan):
+        return None
+    if loopback:
+        listen, published = "127.0.0.1", ["127.0.0.1"]
+    else:
+        table = _netif.interface_addresses()
+        names = _interfaces()
+        published = [table[n] for n in names if n in table] if names else \
+            [a for a in table.values() if not a.startswith("127.")]
+        listen = "0.0.0.0"
+        published = published or ["127.0.0.1"]
+    return _core.ControlLink(rank, size, listen, published, _channel_timeout(options))
 
 
 def _local_paths(store, addresses, base, rank, size, options, members, loopback):
@@ -305,7 +340,7 @@ def _plan(options, shm, cross, hierarchical):
 
 class EngineGroups(NamedTuple):
     """The process groups of one engine, kept alive as long as the engine."""
-    control: object     # negotiation (when no segment carries it)
+    control: object     # negotiation's Gloo group (when no segment carries it), None with the control link
     cpu: list           # CPU data, TransportPlan.cpu_channels of them
     cuda: object        # NCCL for CUDA tensors, or None
     cross: object       # hierarchical only, or None
@@ -313,6 +348,7 @@ class EngineGroups(NamedTuple):
     # host, HVDLITE_SHM_POINT_TO_POINT=1: Note [Point-to-point through shared memory] in
     # csrc/shm_point_to_point.h), or None
     messages: object = None
+    link: object = None  # Note [Control link] (csrc/control_link.h), or None
 
 
 def timeline_for(settings, label):
@@ -340,15 +376,23 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
     options = _core._parse_config(settings)
     addresses = GroupStore(store)  # Note [Group addresses in two requests]
     try:
-        control = _gloo_group(dist.PrefixStore(base + "control", addresses), rank, size, loopback)
         plan = _plan(options, *_local_paths(store, addresses, base, rank, size, options, members, loopback))
+        link = _control_link(rank, size, options, plan, loopback)
+        # the control link carries negotiation by itself; else a Gloo group, whose exchanges
+        # also carry what shared memory's slots do not hold
+        control = None if link is not None else \
+            _gloo_group(dist.PrefixStore(base + "control", addresses), rank, size, loopback)
         cpu = [_gloo_group(dist.PrefixStore(f"{base}cpu{i}", addresses), rank, size, loopback)
                for i in range(plan.cpu_channels)]
         cuda = _nccl_group(dist.PrefixStore(base + "cuda", store), rank, size)
+        if link is not None:
+            addresses.set(_link_key(base, rank), link.address)
         addresses.publish()
-        addresses.prefetch(_first_addresses(base, rank, size, options, plan, members, loopback))
+        addresses.prefetch(_first_addresses(base, rank, size, options, plan, members, loopback, link))
         _connect_data({**{f"cpu{i}": group for i, group in enumerate(cpu)}, "cross": plan.cross},
                       _data_peers(rank, size, plan, members))
+        if link is not None:
+            link.connect({p: addresses.get(_link_key(base, p)).decode() for p in link.partners})
     except RuntimeError as exc:
         hint = ("; GLOO_SOCKET_IFNAME must name an interface through which every host reaches every "
                 "other (hvdliterun finds one by itself)" if not loopback else "")
@@ -356,7 +400,8 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
                                f"the other ranks: {exc}{hint}", op="init") from None
     bound = _channel_timeout(options)  # Note [Frozen peers]
     engine = _core.Engine(control, cpu, cuda, rank, size, settings, plan.shm, plan.cross, plan.route,
-                          control_timeout=bound, data_timeout=bound if is_elastic_worker(os.environ) else 0.0)
+                          control_timeout=bound, data_timeout=bound if is_elastic_worker(os.environ) else 0.0,
+                          link=link)
     # Note [Dump requests] (csrc/recorder.h): its dumps' name; the global engine also tells
     # the other ranks when this process gets a dump signal.
     engine.set_label(timeline_label or tag, tag == "global")
@@ -364,4 +409,4 @@ def start_engine(context, tag, rank, size, members=None, timeline_label=None):
         engine.set_recording(False)
     addresses.forget()  # the pairs read are connected; later ones read the store
     messages = plan.shm if plan.route == "shared_memory" and options["shm_point_to_point"] else None
-    return engine, EngineGroups(control, cpu, cuda, plan.cross, messages)
+    return engine, EngineGroups(control, cpu, cuda, plan.cross, messages, link)

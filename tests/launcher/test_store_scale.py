@@ -195,8 +195,9 @@ def _requests_per_rank(size, job="_init_and_shutdown", **env):
     return counts
 
 
-# the control plane by hypercube and the data over Gloo, as across hosts
-_ACROSS_HOSTS = {"HVDLITE_SHARED_MEMORY": "0", "HVDLITE_CONTROL_ALLTOALL_MAX": "2"}
+# the control plane over the control link (its address goes out with the Gloo groups') and the
+# data over Gloo, as across hosts
+_ACROSS_HOSTS = {"HVDLITE_SHARED_MEMORY": "0"}
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The control plane past a handful of hosts: 8 hosts made of network namespaces, one rank on
-each (tests/multihost/forked.py), with rounds by recursive doubling from 2 ranks on
-(HVDLITE_CONTROL_ALLTOALL_MAX=0, as past 16 ranks by default) and steady rounds settled by
-reduction (Note [Cached rounds] in csrc/cached_round.h). Every result is checked against a
+each (tests/multihost/forked.py), with rounds by recursive doubling over the control link
+(Note [Control link] in csrc/control_link.h) and steady rounds settled by reduction (Note
+[Cached rounds] in csrc/cached_round.h). Every result is checked against a
 reference computed here; the steady loop must take cached rounds (the engine's counter); a
 mismatch is named on every rank; join; a tensor one rank never sends is named as a stall; a
 rank killed mid-training is named on every other rank.
@@ -21,7 +21,7 @@ from tests.multirank._reference import assert_close, rank_input, reduce_referenc
 pytestmark = pytest.mark.slow
 
 HOSTS = [f"m{i}" for i in range(8)]
-ENV = {"HVDLITE_CONTROL_ALLTOALL_MAX": "0", "HVDLITE_CPU_CHANNELS": "1"}
+ENV = {"HVDLITE_CPU_CHANNELS": "1"}
 SHAPES = [(1,), (16,), (300,), (4096,)]
 
 

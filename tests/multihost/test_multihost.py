@@ -91,9 +91,10 @@ def test_collectives_and_training_across_two_hosts_launched_from_one_of_them(hos
     assert_nothing_left(hosts)
 
 
-# Note [Control exchange by alltoall], and the hypercube (HVDLITE_CONTROL_ALLTOALL_MAX=0: Note
-# [Control exchange by hypercube], here with 6 and 3 ranks, so with ranks folded in and out)
-EXCHANGES = {"alltoall": {}, "hypercube": {"HVDLITE_CONTROL_ALLTOALL_MAX": "0"}}
+# Note [Control link] (the default: recursive doubling over the control plane's own
+# connections, here with 6 and 3 ranks, so with ranks folded in and out), and a Gloo group's
+# alltoall (HVDLITE_CONTROL_LINK=0, Note [Control exchange by alltoall])
+EXCHANGES = {"link": {}, "gloo": {"HVDLITE_CONTROL_LINK": "0"}}
 
 
 @pytest.mark.parametrize("exchange", sorted(EXCHANGES))

@@ -1,6 +1,6 @@
-"""Cached rounds (Note [Cached rounds] in csrc/cached_round.h): past
-HVDLITE_CONTROL_ALLTOALL_MAX ranks (0 here, so from 2 ranks on, with the control plane on Gloo as
-between hosts), a training loop's steady rounds settle by a reduction of a few words instead of
+"""Cached rounds (Note [Cached rounds] in csrc/cached_round.h): where rounds travel by recursive
+doubling (here over the control link, HVDLITE_SHARED_MEMORY=0 as between hosts: Note [Control
+link] in csrc/control_link.h), a training loop's steady rounds settle by a reduction of a few words instead of
 every rank's message. Checked: the steady loop takes them (the engine's counter), its results
 equal an independent reference on every rank, small tensors that travel inline still arrive,
 ranks that submit in different orders and at different times still agree, and what is not
@@ -18,7 +18,7 @@ from hvdlite._runtime import state as _state
 from tests.harness import run_ranks
 from tests.multirank._reference import assert_close, rank_input, reduce_reference
 
-CACHED = {"HVDLITE_SHARED_MEMORY": "0", "HVDLITE_CPU_CHANNELS": "1", "HVDLITE_CONTROL_ALLTOALL_MAX": "0"}
+CACHED = {"HVDLITE_SHARED_MEMORY": "0", "HVDLITE_CPU_CHANNELS": "1"}
 SHAPES = [(1,), (16,), (300,), (4096,), (3, 5)]  # the first two travel inline (<= 512 bytes)
 
 

@@ -1,7 +1,7 @@
 """Connections that grow with log N (Note [Connections on first use] in
-hvdlite/_runtime/groups.py, Note [Control exchange by hypercube] in csrc/hypercube.h): with the
-control plane and the data on Gloo (HVDLITE_SHARED_MEMORY=0, as between hosts), a rank that ran
-a training loop's collectives holds TCP connections to its hypercube partners, its ring
+hvdlite/_runtime/groups.py, Note [Control link] in csrc/control_link.h): with the control plane
+on the control link and the data on Gloo (HVDLITE_SHARED_MEMORY=0, as between hosts), a rank
+that ran a training loop's collectives holds TCP connections to its hypercube partners, its ring
 neighbours and the broadcast's tree, not to every peer of every group. Counted from the
 kernel's table of the process's own sockets; every collective's result is checked too.
 """
@@ -13,10 +13,12 @@ import pytest
 import torch
 
 import hvdlite as hvd
+from hvdlite._runtime import state as _state
 from tests.harness import run_ranks
 
-# Recursive doubling from 2 ranks on (HVDLITE_CONTROL_ALLTOALL_MAX=0), as past 16 by default
-GLOO_EVERYWHERE = {"HVDLITE_SHARED_MEMORY": "0", "HVDLITE_CPU_CHANNELS": "1", "HVDLITE_CONTROL_ALLTOALL_MAX": "0"}
+# The control plane over the control link (Note [Control link] in csrc/control_link.h), the
+# data over Gloo
+GLOO_EVERYWHERE = {"HVDLITE_SHARED_MEMORY": "0", "HVDLITE_CPU_CHANNELS": "1"}
 
 
 def _established_tcp():
@@ -62,8 +64,11 @@ def _training_loop_job():
     gathered = hvd.allgather(torch.tensor([rank]), name="ranks")
     assert gathered.tolist() == list(range(size))
     after = _established_tcp()
+    groups = _state.current().sets[0].groups
+    link = groups.link
+    sent, received = link.frames
     hvd.shutdown()
-    return before, after
+    return before, after, groups.control is None, link.partners, link.connections, sent, received
 
 
 @pytest.mark.slow
@@ -74,6 +79,11 @@ def test_a_training_loop_connects_log_n_peers_not_every_peer(size):
     # control partners (log2 N) + ring neighbours (2) + a broadcast tree (log2 N), plus the
     # connection to the rendezvous store; a full mesh of the two groups alone would be 2 (N - 1)
     bound = 2 * log + 2 + 2
-    for rank, (before, after) in enumerate(results):
+    for rank, (before, after, no_gloo_control, partners, connections, sent, received) in enumerate(results):
         assert after <= bound, (rank, before, after, bound)
         assert after < 2 * (size - 1), (rank, after)
+        # negotiation went over the control link only: no Gloo group for it, one connection
+        # per hypercube partner, and frames both ways
+        assert no_gloo_control, rank
+        assert 1 <= len(partners) <= log + 1 and connections == len(partners), (rank, partners, connections)
+        assert sent > 0 and received > 0, (rank, sent, received)

@@ -1,6 +1,7 @@
 """The negotiation round's slot, sized by the last rounds (Note [Slots sized by the last rounds]
-in csrc/control_channel.h): on the Gloo control exchange (HVDLITE_SHARED_MEMORY=0, as between
-hosts), a step whose requests outgrow 2 KiB pays the second exchange once, then fits; the slot
+in csrc/control_channel.h): on the control exchange between hosts (HVDLITE_SHARED_MEMORY=0, as
+between hosts: over the control link, and over a Gloo group by alltoall and by recursive
+doubling with HVDLITE_CONTROL_LINK=0), a step whose requests outgrow 2 KiB pays the second exchange once, then fits; the slot
 comes back down after a run of small rounds; a message past the cap still goes through the
 second exchange; ranks whose messages differ in length in one round still agree. Every
 result is checked against an independent reference, and every rank must report the same slots.
@@ -16,7 +17,11 @@ from hvdlite._runtime import state as _state
 from tests.harness import run_ranks
 from tests.multirank._reference import assert_members_close, rank_input
 
-GLOO_CONTROL = {"HVDLITE_SHARED_MEMORY": "0"}
+ACROSS_HOSTS = {"HVDLITE_SHARED_MEMORY": "0"}
+# Note [Control link] in csrc/control_link.h; Note [Control exchange by alltoall] and, past
+# HVDLITE_CONTROL_ALLTOALL_MAX (0 here), Note [Control exchange by hypercube] on a Gloo group
+EXCHANGES = {"link": {}, "gloo alltoall": {"HVDLITE_CONTROL_LINK": "0"},
+             "gloo hypercube": {"HVDLITE_CONTROL_LINK": "0", "HVDLITE_CONTROL_ALLTOALL_MAX": "0"}}
 MIN_SLOT = 2048
 ROUND_BYTES = 128 << 10
 CALM_ROUNDS = 32
@@ -74,11 +79,10 @@ def _slots_job():
     return [grown, shrunk, regrown, capped]
 
 
-@pytest.mark.parametrize("exchange", ["alltoall", "hypercube"])
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
 @pytest.mark.parametrize("size", [2, 3])
 def test_slots_grow_with_the_step_shrink_after_calm_rounds_and_agree(size, exchange):
-    # Note [Control exchange by alltoall], and past HVDLITE_CONTROL_ALLTOALL_MAX (0 here) Note
-    # [Control exchange by hypercube], where a longer message takes a second transfer
-    env = {**GLOO_CONTROL, **({"HVDLITE_CONTROL_ALLTOALL_MAX": "0"} if exchange == "hypercube" else {})}
+    # by recursive doubling a longer message takes a second transfer
+    env = {**ACROSS_HOSTS, **EXCHANGES[exchange]}
     slots = run_ranks(size, __name__, "_slots_job", env=env, timeout=180)
     assert all(s == slots[0] for s in slots), slots
