@@ -16,7 +16,9 @@ interleaved blocks, each block timed on every rank and its slowest rank taken):
   - hvd.init(), and torch.distributed's Gloo init_process_group, timed in the same job, each
     from a barrier in the store (so neither counts ranks still being started) and each making
     its own client of the job's store, as both do under torchrun;
-  - a 4-byte allreduce, and 1 MiB, hvdlite and Gloo;
+  - a 4-byte allreduce, and 1 MiB, hvdlite and Gloo, and the CPU each call costs a rank (all
+    of its threads: time.process_time), the figure that does not depend on how many ranks
+    share this machine's cores;
   - a step of 161 one-element tensors (ResNet-50's gradient count, so the round carries 161
     cached requests and their inlined values), hvdlite's allreduce_async_ and synchronize (averages) as
     DistributedOptimizer does, Gloo's 161 async all_reduce; and hvdlite's negotiation time per
@@ -56,16 +58,19 @@ def per_rank_counts():
 
 def blocks(methods, per_block):
     """{name: fn} -> {name: [seconds per call, one per block]}, the blocks of every method
-    interleaved, each started from a Gloo barrier."""
+    interleaved, each started from a Gloo barrier; and {name + " CPU": [this process's CPU
+    seconds per call (every thread's), one per block]}."""
     times = {name: [] for name in methods}
+    times.update({f"{name} CPU": [] for name in methods})
     for b in range(BLOCKS + 1):
         for name, fn in (methods.items() if b % 2 == 0 else reversed(methods.items())):
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(per_block[name]):
                 fn()
             if b > 0:  # the first block warms up
                 times[name].append((time.perf_counter() - start) / per_block[name])
+                times[f"{name} CPU"].append((time.process_time() - cpu) / per_block[name])
     return times
 
 
@@ -135,7 +140,7 @@ def rank_job(rank, size):
     rounds = after["negotiations"] - before["negotiations"]
     negotiation = (after["negotiate_sum_s"] - before["negotiate_sum_s"]) / max(rounds, 1)
     times.update(blocks({k: v for k, v in methods.items() if "step" not in k}, per_block))
-    # every rank takes each block's slowest rank
+    # every rank takes each block's slowest rank (for CPU: the rank that spent the most)
     names = sorted(times)
     t = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -190,6 +195,7 @@ def main():
                       f"1 MiB {row['hvdlite 1 MiB'] * 1e3:7.2f} / {row['Gloo 1 MiB'] * 1e3:7.2f} ms  "
                       f"step {row['hvdlite 161-tensor step'] * 1e3:7.2f} / {row['Gloo 161-tensor step'] * 1e3:7.2f} ms  "
                       f"negotiation {us('negotiation'):7.0f} us  "
+                      f"CPU per 4 B call {us('hvdlite 4 B CPU'):6.0f} / {us('Gloo 4 B CPU'):6.0f} us  "
                       f"init {row['hvd_init']:.2f} / {row['gloo_init']:.2f} s  "
                       f"fds {row['fds']} ({row['fds_with_gloo']} with Gloo)  threads {row['threads']}  "
                       f"RSS {row['rss'] / 2**20:.0f} MB  "
