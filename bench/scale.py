@@ -18,7 +18,11 @@ interleaved blocks, each block timed on every rank and its slowest rank taken):
     its own client of the job's store, as both do under torchrun;
   - a 4-byte allreduce, and 1 MiB, hvdlite and Gloo, and the CPU each call costs a rank (all
     of its threads: time.process_time), the figure that does not depend on how many ranks
-    share this machine's cores;
+    share this machine's cores, and for hvdlite the calling thread's own (time.thread_time):
+    a blocking 4-byte allreduce's round runs on that thread (Note [A waiting caller runs the
+    round] in csrc/round_driver.h), so this is the round's cost without the idle wake-ups of
+    the process's other threads (Gloo's loop threads wake every 10 ms, more often per call the
+    longer a call takes);
   - a step of 161 one-element tensors (ResNet-50's gradient count, so the round carries 161
     cached requests and their inlined values), hvdlite's allreduce_async_ and synchronize (averages) as
     DistributedOptimizer does, Gloo's 161 async all_reduce; and hvdlite's negotiation time per
@@ -58,19 +62,22 @@ def per_rank_counts():
 
 def blocks(methods, per_block):
     """{name: fn} -> {name: [seconds per call, one per block]}, the blocks of every method
-    interleaved, each started from a Gloo barrier; and {name + " CPU": [this process's CPU
-    seconds per call (every thread's), one per block]}."""
+    interleaved, each started from a Gloo barrier; {name + " CPU": [this process's CPU seconds
+    per call (every thread's), one per block]}; and {name + " thread CPU": [the calling thread's
+    own]}."""
     times = {name: [] for name in methods}
-    times.update({f"{name} CPU": [] for name in methods})
+    for kind in (" CPU", " thread CPU"):
+        times.update({name + kind: [] for name in methods})
     for b in range(BLOCKS + 1):
         for name, fn in (methods.items() if b % 2 == 0 else reversed(methods.items())):
             dist.barrier()
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(per_block[name]):
                 fn()
             if b > 0:  # the first block warms up
                 times[name].append((time.perf_counter() - start) / per_block[name])
                 times[f"{name} CPU"].append((time.process_time() - cpu) / per_block[name])
+                times[f"{name} thread CPU"].append((time.thread_time() - own) / per_block[name])
     return times
 
 
@@ -195,7 +202,8 @@ def main():
                       f"1 MiB {row['hvdlite 1 MiB'] * 1e3:7.2f} / {row['Gloo 1 MiB'] * 1e3:7.2f} ms  "
                       f"step {row['hvdlite 161-tensor step'] * 1e3:7.2f} / {row['Gloo 161-tensor step'] * 1e3:7.2f} ms  "
                       f"negotiation {us('negotiation'):7.0f} us  "
-                      f"CPU per 4 B call {us('hvdlite 4 B CPU'):6.0f} / {us('Gloo 4 B CPU'):6.0f} us  "
+                      f"CPU per 4 B call {us('hvdlite 4 B CPU'):6.0f} / {us('Gloo 4 B CPU'):6.0f} us "
+                      f"(hvdlite's calling thread, which runs the round: {us('hvdlite 4 B thread CPU'):5.0f} us)  "
                       f"init {row['hvd_init']:.2f} / {row['gloo_init']:.2f} s  "
                       f"fds {row['fds']} ({row['fds_with_gloo']} with Gloo)  threads {row['threads']}  "
                       f"RSS {row['rss'] / 2**20:.0f} MB  "

@@ -7,13 +7,15 @@ response cache (a two-rank controller harness that has seen the step once), so e
 travels as its cache id. Inlined tensor values are left out (they ride in every exchange alike).
 
 The exchanges, per rank and round:
-  - alltoall of slots (HVDLITE_CONTROL_ALLTOALL_MAX and below): N - 1 messages of one slot each,
-    the slot sized by the real SlotSizer from the round's lengths;
-  - recursive doubling (above it): the real Hypercube, run by N virtual ranks over in-memory
+  - alltoall of slots (a Gloo group's, with HVDLITE_CONTROL_LINK=0, up to
+    HVDLITE_CONTROL_ALLTOALL_MAX): N - 1 messages of one slot each, the slot sized by the real
+    SlotSizer from the round's lengths;
+  - recursive doubling (over the control link at every N, Note [Control link] in
+    csrc/control_link.h; on a Gloo group above HVDLITE_CONTROL_ALLTOALL_MAX): the real Hypercube, run by N virtual ranks over in-memory
     mailboxes up to --measure-up-to (one thread each), which counts every transfer and byte; past
     that, the same schedule counted by formula (printed side by side where both exist);
   - the cached round (Note [Cached rounds] in csrc/cached_round.h), which a steady step takes
-    above it: the real offers (161 ids ready, no inlined values), combined by the real Hypercube
+    wherever rounds go by recursive doubling: the real offers (161 ids ready, no inlined values), combined by the real Hypercube
     Reduce over the same mailboxes, one combined offer per transfer; formula beyond.
 
 CPU per round and rank: the real Controller (a harness with N ranks that has decided the step
