@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <sstream>
 #include <stdexcept>
 
 #include "hypercube.h"
@@ -45,10 +46,11 @@ ControlLink::Peer& ControlLink::PeerOf(int peer, const char* what) {
   return it->second;
 }
 
-void ControlLink::Fail(Peer& p, const std::string& why) {
-  if (!p.failure.empty()) return;
-  p.failure = why;
-  if (p.fd >= 0) {
+void ControlLink::Fail(Peer& p, const std::string& why, bool keep_reading) {
+  if (p.failure.empty()) p.failure = why;
+  p.out.clear();  // nothing more goes out on it
+  p.out_at = 0;
+  if (!keep_reading && p.fd >= 0) {
     close(p.fd);
     p.fd = -1;
     connections_.fetch_sub(1);
@@ -66,7 +68,9 @@ void ControlLink::Flush(int rank, Peer& p) {
     } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       return;
     } else {
-      Fail(p, Describe(rank) + "'s control connection failed (" + std::strerror(errno) + ")");
+      // What the peer sent before it went may still be unread (its kFailed first): read on
+      // until the connection ends (Note [Control link], failures).
+      Fail(p, Describe(rank) + "'s control connection failed (" + std::strerror(errno) + ")", true);
       return;
     }
   }
@@ -119,7 +123,8 @@ void ControlLink::Progress(int peer, const std::function<bool()>& done, const ch
   std::vector<int> ranks;
   while (!done()) {
     Peer& waited = peers_.at(peer);
-    if (!waited.failure.empty()) throw std::runtime_error(waited.failure);
+    // A failed peer whose connection is still open may have frames on the way: read to its end
+    if (!waited.failure.empty() && waited.fd < 0) throw std::runtime_error(waited.failure);
     fds.clear();
     ranks.clear();
     for (auto& [rank, p] : peers_) {
@@ -129,8 +134,11 @@ void ControlLink::Progress(int peer, const std::function<bool()>& done, const ch
     }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
-      throw std::runtime_error(Describe(peer) + " " + waiting_for + " on the control link within " +
-                               std::to_string(static_cast<int64_t>(timeout_s_)) + " s");
+      if (!waited.failure.empty()) throw std::runtime_error(waited.failure);
+      std::ostringstream seconds;
+      seconds << timeout_s_;
+      throw std::runtime_error(Describe(peer) + " " + waiting_for + " on the control link within " + seconds.str() +
+                               " s");
     }
     const int ready = poll(fds.data(), fds.size(), static_cast<int>(std::min<int64_t>(left, 1000)));
     if (ready < 0 && errno != EINTR) throw std::runtime_error(std::string("poll failed: ") + std::strerror(errno));
@@ -144,7 +152,12 @@ void ControlLink::Progress(int peer, const std::function<bool()>& done, const ch
 
 PendingWork ControlLink::StartSend(at::Tensor& bytes, int peer, int tag) {
   Peer& p = PeerOf(peer, "send");
-  if (!p.failure.empty()) throw std::runtime_error(p.failure);
+  if (!p.failure.empty()) {
+    // Thrown by the wait, not here: the caller may have a receive from that peer to wait on
+    // first, whose frame (a kFailed with the first reason) arrived before the connection ended.
+    const std::string failure = p.failure;
+    return PendingWork([failure] { throw std::runtime_error(failure); }, [] { return true; });
+  }
   const uint64_t length = static_cast<uint64_t>(bytes.numel());
   char header[kFrameHeader] = {};
   const uint32_t t = static_cast<uint32_t>(tag);
@@ -158,7 +171,12 @@ PendingWork ControlLink::StartSend(at::Tensor& bytes, int peer, int tag) {
   const uint64_t end = p.queued;
   // Written in full: the kernel has it. The tensor was copied, so the work holds nothing.
   auto written = [this, peer, end] { return peers_.at(peer).written >= end; };
-  return PendingWork([this, peer, written] { Progress(peer, written, "took none of the bytes sent to it"); }, written);
+  return PendingWork(
+      [this, peer, written] {
+        Progress(peer, [&] { return written() || !peers_.at(peer).failure.empty(); }, "did not read what was sent to it");
+        if (!written()) throw std::runtime_error(peers_.at(peer).failure);
+      },
+      written);
 }
 
 PendingWork ControlLink::StartRecv(at::Tensor& bytes, int peer, int tag) {

@@ -114,7 +114,9 @@ class ControlLink : public CollectiveBackend {
   void Progress(int peer, const std::function<bool()>& done, const char* waiting_for);
   void Flush(int rank, Peer& p);
   void Read(int rank, Peer& p);
-  void Fail(Peer& p, const std::string& why);
+  // Marks `p` failed with `why` (the first reason stays) and stops its sends; closes it unless
+  // `keep_reading` (a failed write: what the peer sent before it went is still to be read).
+  void Fail(Peer& p, const std::string& why, bool keep_reading = false);
 
   const int rank_, size_;
   const double timeout_s_;

@@ -47,14 +47,34 @@ bool ParseHost(const std::string& host, int port, sockaddr_in* out) {
   return inet_pton(AF_INET, host.c_str(), &out->sin_addr) == 1;
 }
 
-// One way in to a partner below this rank, or one connection a stranger or a partner above
-// this rank opened: bytes read so far, until its hello or answer is whole.
+// One address of a partner below this rank, to connect to (again, if a connection to it closed
+// before the answer: a flood of strangers at the partner's listener may have pushed it out).
+struct Dial {
+  int partner = -1;
+  sockaddr_in addr{};
+  std::string where;  // host:port, for messages
+  std::string hello;  // [magic, this rank, the partner's nonce]
+  bool dead = false;  // refused or answered wrongly: no listener of that partner there
+  std::chrono::steady_clock::time_point again{};  // when to dial once more (a closed attempt)
+  bool waiting = false;                           // an attempt is open
+};
+
+// One way in: a connection this rank opened to a dial (partner >= 0), or one that a stranger or
+// a partner above this rank opened (partner -1 until its hello is read); the bytes read so far.
 struct Pending {
   int fd = -1;
-  int partner = -1;          // the partner it leads to (connecting), -1 while unknown (accepted)
-  bool connected = false;    // connecting: the TCP connection is up and the hello sent
-  std::string where;         // connecting: host:port, for messages
+  int partner = -1;
+  size_t dial = 0;          // connecting: which dial
+  bool connected = false;   // connecting: the TCP connection is up and the hello sent
   std::string got;
+};
+
+// Closes every fd it still holds when init() gives up, whichever way it leaves.
+struct PendingSet {
+  std::vector<Pending> ways;
+  ~PendingSet() {
+    for (Pending& way : ways) close(way.fd);
+  }
 };
 
 uint32_t U32At(const std::string& s, size_t at) {
@@ -98,46 +118,54 @@ void ControlLink::Connect(const std::map<int, std::string>& addresses) {
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
   std::set<int> below, above;
   for (int p : partners()) (p < rank_ ? below : above).insert(p);
-  std::vector<Pending> pending;
   std::map<int, std::string> last_error;  // by partner
+  std::vector<Dial> dials;
+  for (int p : below) {
+    auto it = addresses.find(p);
+    if (it == addresses.end()) {
+      last_error[p] = "no address published";
+      continue;
+    }
+    std::string port, nonce, hosts;
+    std::istringstream in(it->second);
+    std::getline(in, port, ':');
+    std::getline(in, nonce, ':');
+    std::getline(in, hosts);
+    const uint32_t me = static_cast<uint32_t>(rank_);
+    const uint64_t theirs = std::strtoull(nonce.c_str(), nullptr, 16);
+    std::string hello(reinterpret_cast<const char*>(&kMagic), 4);
+    hello.append(reinterpret_cast<const char*>(&me), 4);
+    hello.append(reinterpret_cast<const char*>(&theirs), 8);
+    std::istringstream list(hosts);
+    for (std::string host; std::getline(list, host, ',');) {
+      Dial dial;
+      dial.partner = p;
+      dial.where = host + ":" + port;
+      dial.hello = hello;
+      if (ParseHost(host, std::atoi(port.c_str()), &dial.addr)) dials.push_back(dial);
+    }
+    if (std::none_of(dials.begin(), dials.end(), [p](const Dial& d) { return d.partner == p; })) {
+      last_error[p] = "no usable address in '" + it->second + "'";
+    }
+  }
+  PendingSet pending;
+  auto& ways = pending.ways;
+  auto close_way = [&](size_t i) {
+    Pending& way = ways[i];
+    if (way.partner >= 0) dials[way.dial].waiting = false;
+    close(way.fd);
+    ways.erase(ways.begin() + static_cast<std::ptrdiff_t>(i));
+  };
   auto adopt = [this](int partner, int fd) {
     NoDelay(fd);
     peers_[partner].fd = fd;
     connections_.fetch_add(1);
   };
-  // A way in to every address of every partner below, all at once.
-  for (int p : below) {
-    auto it = addresses.find(p);
-    std::string port, nonce, hosts;
-    if (it != addresses.end()) {
-      std::istringstream in(it->second);
-      std::getline(in, port, ':');
-      std::getline(in, nonce, ':');
-      std::getline(in, hosts);
-    }
-    std::istringstream list(hosts);
-    for (std::string host; std::getline(list, host, ',');) {
-      sockaddr_in addr;
-      if (!ParseHost(host, std::atoi(port.c_str()), &addr)) continue;
-      Pending way{NonBlockingSocket(), p, false, host + ":" + port, std::string()};
-      if (connect(way.fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 && errno != EINPROGRESS) {
-        last_error[p] = way.where + ": " + std::strerror(errno);
-        close(way.fd);
-        continue;
-      }
-      // the hello goes out once the connection is up; it carries the partner's nonce
-      way.got = std::string(reinterpret_cast<const char*>(&kMagic), 4);
-      const uint32_t me = static_cast<uint32_t>(rank_);
-      const uint64_t theirs = std::strtoull(nonce.c_str(), nullptr, 16);
-      way.got.append(reinterpret_cast<const char*>(&me), 4);
-      way.got.append(reinterpret_cast<const char*>(&theirs), 8);
-      pending.push_back(std::move(way));
-    }
-    if (it == addresses.end()) last_error[p] = "no address published";
-  }
-  auto close_way = [&](size_t i) {
-    close(pending[i].fd);
-    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+  auto lost = [&](Pending& way, const std::string& why, bool dead) {  // a way to a dial ended
+    Dial& dial = dials[way.dial];
+    last_error[dial.partner] = dial.where + ": " + why;
+    dial.dead = dead;
+    dial.again = Clock::now() + std::chrono::milliseconds(50);
   };
   auto missing = [&] {
     std::vector<int> left;
@@ -145,22 +173,45 @@ void ControlLink::Connect(const std::map<int, std::string>& addresses) {
     for (int p : above) if (!peers_.count(p)) left.push_back(p);
     return left;
   };
+  // A partner below that no address can reach any more (each refused or answered wrongly: its
+  // listener was open before its address was published) is lost now, not at the deadline.
+  auto unreachable = [&] {
+    for (int p : below) {
+      if (peers_.count(p)) continue;
+      if (std::all_of(dials.begin(), dials.end(), [p](const Dial& d) { return d.partner != p || d.dead; })) return true;
+    }
+    return false;
+  };
   std::vector<pollfd> fds;
-  while (!missing().empty()) {
-    const auto left_ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  while (!missing().empty() && !unreachable()) {
+    const auto now = Clock::now();
+    const auto left_ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     if (left_ms <= 0) break;
+    for (size_t d = 0; d < dials.size(); ++d) {  // dial every address not dialled yet (or again)
+      Dial& dial = dials[d];
+      if (dial.dead || dial.waiting || peers_.count(dial.partner) || now < dial.again) continue;
+      Pending way{NonBlockingSocket(), dial.partner, d, false, std::string()};
+      if (connect(way.fd, reinterpret_cast<sockaddr*>(&dial.addr), sizeof(dial.addr)) != 0 && errno != EINPROGRESS) {
+        last_error[dial.partner] = dial.where + ": " + std::strerror(errno);
+        dial.dead = true;
+        close(way.fd);
+        continue;
+      }
+      dial.waiting = true;
+      ways.push_back(std::move(way));
+    }
     fds.clear();
     fds.push_back({listener_, POLLIN, 0});
-    for (const Pending& way : pending) {
+    for (const Pending& way : ways) {
       fds.push_back({way.fd, static_cast<short>(way.partner >= 0 && !way.connected ? POLLOUT : POLLIN), 0});
     }
-    if (poll(fds.data(), fds.size(), static_cast<int>(std::min<int64_t>(left_ms, 1000))) < 0 && errno != EINTR) {
+    if (poll(fds.data(), fds.size(), static_cast<int>(std::min<int64_t>(left_ms, 50))) < 0 && errno != EINTR) {
       throw SystemError("wait for its partners");
     }
-    for (size_t i = pending.size(); i-- > 0;) {
+    for (size_t i = ways.size(); i-- > 0;) {
       const short revents = fds[i + 1].revents;
       if (revents == 0) continue;
-      Pending& way = pending[i];
+      Pending& way = ways[i];
       if (way.partner >= 0 && peers_.count(way.partner)) {  // another address of it answered first
         close_way(i);
         continue;
@@ -169,14 +220,14 @@ void ControlLink::Connect(const std::map<int, std::string>& addresses) {
         int error = 0;
         socklen_t len = sizeof(error);
         getsockopt(way.fd, SOL_SOCKET, SO_ERROR, &error, &len);
-        const std::string hello = way.got;
+        const std::string& hello = dials[way.dial].hello;
         if (error != 0 || send(way.fd, hello.data(), hello.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(hello.size())) {
-          last_error[way.partner] = way.where + ": " + std::strerror(error != 0 ? error : errno);
+          const int why = error != 0 ? error : errno;
+          lost(way, std::strerror(why), why == ECONNREFUSED);
           close_way(i);
           continue;
         }
         way.connected = true;
-        way.got.clear();
         continue;
       }
       const size_t want = way.partner >= 0 ? kAnswerBytes : kHelloBytes;
@@ -184,7 +235,7 @@ void ControlLink::Connect(const std::map<int, std::string>& addresses) {
       const ssize_t n = recv(way.fd, buffer, want - way.got.size(), MSG_DONTWAIT);
       if (n <= 0) {
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-        if (way.partner >= 0) last_error[way.partner] = way.where + ": closed before answering";
+        if (way.partner >= 0) lost(way, "closed before answering", false);
         close_way(i);
         continue;
       }
@@ -193,12 +244,13 @@ void ControlLink::Connect(const std::map<int, std::string>& addresses) {
       const uint32_t magic = U32At(way.got, 0), who = U32At(way.got, 4);
       if (way.partner >= 0) {  // the answer of a partner below
         if (magic != kMagic || static_cast<int>(who) != way.partner) {
-          last_error[way.partner] = way.where + ": answered by something other than rank " + std::to_string(way.partner);
+          lost(way, "answered by something other than rank " + std::to_string(way.partner), true);
           close_way(i);
           continue;
         }
+        dials[way.dial].waiting = false;
         adopt(way.partner, way.fd);
-        pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+        ways.erase(ways.begin() + static_cast<std::ptrdiff_t>(i));
         continue;
       }
       uint64_t nonce;
@@ -217,27 +269,34 @@ void ControlLink::Connect(const std::map<int, std::string>& addresses) {
         continue;
       }
       adopt(from, way.fd);
-      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+      ways.erase(ways.begin() + static_cast<std::ptrdiff_t>(i));
     }
     // New connections, after the pass above (whose indices they would shift). Past
     // kMaxUnverified the oldest unverified one goes: a stranger cannot make this rank hold
-    // more, and a flood cannot keep a partner out (its hello follows its connection at once).
+    // more, and a partner pushed out by a flood dials again.
     if (fds[0].revents & POLLIN) {
-      for (int fd; (fd = accept4(listener_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0;) {
-        const auto unverified = std::count_if(pending.begin(), pending.end(), [](const Pending& w) { return w.partner < 0; });
-        if (unverified >= kMaxUnverified) {
-          close_way(static_cast<size_t>(std::find_if(pending.begin(), pending.end(), [](const Pending& w) { return w.partner < 0; }) -
-                                        pending.begin()));
+      while (true) {
+        const int fd = accept4(listener_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+          if (errno == EINTR || errno == ECONNABORTED) continue;
+          if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+          throw SystemError("accept its partners");
         }
-        pending.push_back(Pending{fd, -1, false, std::string(), std::string()});
+        const auto unverified = std::count_if(ways.begin(), ways.end(), [](const Pending& w) { return w.partner < 0; });
+        if (unverified >= kMaxUnverified) {
+          close_way(static_cast<size_t>(std::find_if(ways.begin(), ways.end(), [](const Pending& w) { return w.partner < 0; }) -
+                                        ways.begin()));
+        }
+        ways.push_back(Pending{fd, -1, 0, false, std::string()});
       }
     }
   }
-  for (Pending& way : pending) close(way.fd);
   close(listener_);
   listener_ = -1;
   const std::vector<int> left = missing();
   if (left.empty()) return;
+  std::ostringstream seconds;
+  seconds << timeout_s_;
   std::string why = "rank " + std::to_string(rank_) + " could not connect its control link to ";
   for (size_t i = 0; i < left.size(); ++i) {
     why += (i ? ", rank " : "rank ") + std::to_string(left[i]);
@@ -245,7 +304,7 @@ void ControlLink::Connect(const std::map<int, std::string>& addresses) {
     why += error != last_error.end() ? " (" + error->second + ")"
                                      : (left[i] > rank_ ? " (it never connected)" : " (no answer)");
   }
-  throw std::runtime_error(why + " within " + std::to_string(static_cast<int64_t>(timeout_s_)) + " s");
+  throw std::runtime_error(why + (unreachable() ? "" : " within " + seconds.str() + " s"));
 }
 
 }  // namespace hvdlite

@@ -105,7 +105,7 @@ py::list RunHypercube(const std::vector<std::string>& mine, int64_t slot, const 
   }
   std::vector<std::vector<std::string>> results(size);
   std::vector<std::string> errors(size);
-  std::vector<bool> failed(size, false);
+  std::vector<char> failed(size, 0);  // not vector<bool>: one thread per rank writes its own
   {
     py::gil_scoped_release release;
     std::vector<std::thread> threads;
@@ -159,7 +159,7 @@ py::list RunLinkHypercube(const std::vector<std::string>& mine, int64_t slot, co
   }
   std::vector<std::vector<std::string>> results(size);
   std::vector<std::string> errors(size);
-  std::vector<bool> failed(size, false);
+  std::vector<char> failed(size, 0);  // not vector<bool>: one thread per rank writes its own
   const std::set<int> gone(dead.begin(), dead.end());
   {
     py::gil_scoped_release release;

@@ -255,21 +255,22 @@ def _link_key(base, rank):
 def _control_link(rank, size, options, plan, loopback):
     """Note [Control link] (csrc/control_link.h): the control plane's own connections, listening
     now so that its address goes out with the Gloo groups'; None where shared memory carries
-    negotiation, on one rank, or with HVDLITE_CONTROL_LINK=0. It listens where the Gloo groups
-    do: on GLOO_SOCKET_IFNAME's interfaces (every address of this host's interfaces without
-    it; a connector tries them all and keeps the first that answers), or on 127.0.0.1."""
+    negotiation, on one rank, or with HVDLITE_CONTROL_LINK=0. It is reached where the Gloo
+    groups are: at the IPv4 addresses of GLOO_SOCKET_IFNAME's interfaces (of every interface
+    but loopback without it, or where those have none; a connector tries them all and keeps
+    the first that answers), or at 127.0.0.1 when every rank is on this host."""
     if size < 2 or not options["control_link"] or not _control_across_hosts(plan):
         return None
     if loopback:
-        listen, published = "127.0.0.1", ["127.0.0.1"]
-    else:
-        table = _netif.interface_addresses()
-        names = _interfaces()
-        published = [table[n] for n in names if n in table] if names else \
-            [a for a in table.values() if not a.startswith("127.")]
-        listen = "0.0.0.0"
-        published = published or ["127.0.0.1"]
-    return _core.ControlLink(rank, size, listen, published, _channel_timeout(options))
+        return _core.ControlLink(rank, size, "127.0.0.1", ["127.0.0.1"], _channel_timeout(options))
+    table = _netif.interface_addresses()
+    published = [table[n] for n in _interfaces() if n in table] or \
+        [a for a in table.values() if not a.startswith("127.")]
+    if not published:
+        raise RuntimeError(f"rank {rank} has no IPv4 address other ranks could reach its control link at "
+                           "(interfaces: " + (", ".join(sorted(table)) or "none") +
+                           "); HVDLITE_CONTROL_LINK=0 negotiates through a Gloo group instead")
+    return _core.ControlLink(rank, size, "0.0.0.0", published, _channel_timeout(options))
 
 
 def _local_paths(store, addresses, base, rank, size, options, members, loopback):

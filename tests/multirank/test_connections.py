@@ -67,8 +67,9 @@ def _training_loop_job():
     groups = _state.current().sets[0].groups
     link = groups.link
     sent, received = link.frames
+    connections = link.connections  # before shutdown, after which peers close theirs
     hvd.shutdown()
-    return before, after, groups.control is None, link.partners, link.connections, sent, received
+    return before, after, groups.control is None, link.partners, connections, sent, received
 
 
 @pytest.mark.slow

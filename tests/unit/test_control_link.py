@@ -124,15 +124,43 @@ def _connect(link, addresses):
     return None
 
 
+def test_a_partner_pushed_out_by_a_flood_dials_again_and_gets_in():
+    """The partner's connection waits in the listener's backlog ahead of 150 strangers; the
+    first pass accepts them all, and past 64 unverified the oldest (the partner's, its hello
+    not read yet) is closed: the partner dials again and gets in."""
+    below = _core.ControlLink(0, 2, "127.0.0.1", ["127.0.0.1"], 20.0)
+    above = _core.ControlLink(1, 2, "127.0.0.1", ["127.0.0.1"], 20.0)
+    port = _listen_port(below)
+    error = []
+    dialling = threading.Thread(target=lambda: error.append(_connect(above, {0: below.address})))
+    dialling.start()
+    time.sleep(0.2)  # its connection is in the backlog, its hello sent
+    strangers = []
+    for _ in range(150):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))  # a full backlog drops the rest: they retry
+        strangers.append(s)
+    assert _connect(below, {1: above.address}) is None
+    dialling.join(30)
+    assert error == [None]
+    assert below.connections == 1 and above.connections == 1
+    for s in strangers:
+        s.close()
+
+
 def test_a_partner_that_cannot_be_reached_or_never_comes_is_named():
-    above = _core.ControlLink(1, 2, "127.0.0.1", ["127.0.0.1"], 1.0)
+    above = _core.ControlLink(1, 2, "127.0.0.1", ["127.0.0.1"], 30.0)
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()  # nothing listens there
+    start = time.monotonic()
     error = _connect(above, {0: f"{port}:1234:127.0.0.1"})
     assert error and "rank 1 could not connect its control link to rank 0" in error, error
     assert "Connection refused" in error, error
+    # its listener was open before its address went out: refused is final, not waited out
+    assert "within" not in error and time.monotonic() - start < 5, error
     below = _core.ControlLink(0, 2, "127.0.0.1", ["127.0.0.1"], 1.0)
     error = _connect(below, {})
     assert error and "to rank 1 (it never connected) within 1 s" in error, error
