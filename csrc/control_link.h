@@ -32,8 +32,10 @@
 //     [magic, rank]. The nonce, 64 random bits, was published with the address, so only a
 //     process that read the job's store can connect; a hello that is malformed, late or wrong
 //     closes the connection, and at most kMaxUnverified unverified connections are held (past
-//     it the oldest goes), so a stranger can neither make a rank hold more nor keep a partner
-//     out. An address is "port:nonce:host[,host]":
+//     it the oldest goes, and a partner whose connection closed before the answer dials
+//     again), so a stranger can neither make a rank hold more nor keep a partner out. An
+//     address that refuses is final (its listener was open before it was published), so a
+//     partner none of whose addresses can be reached fails init at once, not at the timeout. An address is "port:nonce:host[,host]":
 //     every address of the interfaces the rank's Gloo groups use; a connector tries them all at
 //     once and keeps the first that answers correctly.
 //   - Frames: [u32 tag][u32 0][u64 length][bytes], in order on each connection. A frame that
@@ -41,7 +43,9 @@
 //     receives of one (peer, tag) are waited on in the order they were started.
 //   - Failures: a connection that closes or fails fails the receive that waits on it, naming the
 //     peer (frames that arrived before the close are delivered first: a partner's kFailed,
-//     Note [Failures travel the hypercube], comes before its exit), and a wait longer than the
+//     Note [Failures travel the hypercube], comes before its exit; a write that fails leaves
+//     the connection open for reading until it ends, and a send to a failed peer fails when
+//     waited on, after the receive posted before it), and a wait longer than the
 //     control timeout (Note [Frozen peers] in hvdlite/_runtime/groups.py) fails naming the
 //     peer waited for. A frame longer than kMaxFrame is a corrupt peer, and fails too.
 #pragma once
