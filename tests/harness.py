@@ -105,8 +105,13 @@ class Job:
         self.started = time.monotonic()
 
     def output(self, rank):
-        with open(os.path.join(self.dir, f"out.{rank}"), "rb") as f:
-            return f.read().decode(errors="replace")
+        """What `rank` has printed so far; "" before it has opened its output (a rank forked from
+        a zygote opens it itself, after start() returned)."""
+        try:
+            with open(os.path.join(self.dir, f"out.{rank}"), "rb") as f:
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def wait_for_output(self, rank, text, timeout=30):
         """Waits until `rank` has printed `text`; fails if it exits first or takes too long."""
