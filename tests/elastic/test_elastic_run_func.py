@@ -95,10 +95,14 @@ def test_store_requests_per_rank_and_generation_do_not_grow_with_the_job(monkeyp
     """An elastic generation costs each worker the same few store requests whatever the job's
     size: asking for its place and the hosts-updated notice (Note [Elastic rendezvous]), init's
     (tests/launcher/test_store_scale.py), and after a lost peer the census and the failure
-    report (Note [Failure census]). Two generations each: N workers, then N - 1."""
+    report (Note [Failure census]). Two generations each: N workers, then N - 1. The
+    survivors' census and reports depend on when each notices the lost peer: one run under
+    CI's load counted one request fewer in each job (11.8 and 11.9 per worker and generation,
+    where 12 and 12 is usual), so equality is checked within half a request; a cost per peer
+    would add at least two per worker between 3 and 5 hosts."""
     per_worker_generation = {}
     for hosts in (3, 5):
         requests = _store_requests_of_an_elastic_job(monkeypatch, hosts)
         per_worker_generation[hosts] = requests / (hosts + hosts - 1)
-    assert per_worker_generation[3] == per_worker_generation[5], per_worker_generation
+    assert abs(per_worker_generation[3] - per_worker_generation[5]) <= 0.5, per_worker_generation
     assert per_worker_generation[5] <= 16, per_worker_generation
